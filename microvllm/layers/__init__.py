@@ -1,0 +1,1 @@
+"""Building blocks of a decoder layer: RMSNorm, rotary embedding, SiLU-gated MLP, attention."""

@@ -1,0 +1,23 @@
+"""RMSNorm: scale each token's vector by the inverse root-mean-square of its entries.
+
+    y = x / sqrt(mean(x**2) + eps) * weight
+
+Computed in float32 whatever the model dtype, as Hugging Face does, so that the
+result (and therefore every greedy token) matches it.
+"""
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)

@@ -1,0 +1,56 @@
+"""Which layers share which KV cache group.
+
+Layers with the same attention kind (full attention, or a sliding window of the
+same size) form one *cache group*: they share a block table per request and one
+single-type KV cache manager in ``microvllm/core``. Llama and Qwen3 have one
+full-attention group; Mistral with ``sliding_window`` set has one sliding-window
+group; a config with ``layer_types`` mixing both has two (vLLM V1's hybrid
+allocator, made small)::
+
+    layer:            0     1     2     3
+    layer_types:    full  slide  full  slide      -> groups [full, sliding(W)]
+    layer_to_group:   0     1     0     1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheGroupKind:
+    kind: str  # "full_attention" | "sliding_window"
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    groups: tuple[CacheGroupKind, ...]
+    layer_to_group: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, config) -> "KVCacheLayout":
+        num_layers = config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None:
+            layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
+        if len(layer_types) != num_layers:
+            raise ValueError(f"config.layer_types has {len(layer_types)} entries but "
+                             f"num_hidden_layers is {num_layers}")
+        kinds, layer_to_group = [], []
+        for layer_type in layer_types:
+            if layer_type == "full_attention":
+                kind = CacheGroupKind("full_attention")
+            elif layer_type == "sliding_attention":
+                if not window:
+                    raise ValueError("config.layer_types asks for sliding_attention "
+                                     "but config.sliding_window is not set")
+                kind = CacheGroupKind("sliding_window", int(window))
+            else:
+                raise ValueError(f"layer type {layer_type!r} in config.layer_types is not "
+                                 "supported (only full_attention and sliding_attention)")
+            if kind not in kinds:
+                kinds.append(kind)
+            layer_to_group.append(kinds.index(kind))
+        return cls(tuple(kinds), tuple(layer_to_group))

@@ -1,0 +1,129 @@
+"""Llama, the decoder every model here is a variation of.
+
+One token row per scheduled token, no batch dimension: the runner flattens all
+requests of a step into ``T`` tokens, and attention sorts out who sees whom::
+
+    input_ids [T] ──embed──> h [T, hidden]
+    for each layer:
+        h = h + o_proj(Attention(RoPE(q), RoPE(k), v))    q,k,v = split(qkv_proj(RMSNorm(h)))
+        h = h + down_proj(silu(gate) * up)                  gate,up = split(gate_up_proj(RMSNorm(h)))
+    hidden = RMSNorm(h)  ──lm_head (only rows whose next token is due)──> logits
+
+Projections are fused (q/k/v in one matmul, gate/up in one matmul): the loader
+stacks Hugging Face's separate weights into them. Mistral adds a sliding window;
+Qwen3 adds an RMSNorm on each query and key head (``qk_norm``) and an explicit
+``head_dim``: both are options of this one class.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from microvllm.attention.backend import AttentionBackend
+from microvllm.attention.metadata import AttentionMetadata
+from microvllm.layers.activation import silu_and_mul
+from microvllm.layers.attention import Attention
+from microvllm.layers.layernorm import RMSNorm
+from microvllm.layers.rotary_embedding import RotaryEmbedding
+from microvllm.models.kv_cache_layout import KVCacheLayout
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, layout: KVCacheLayout, rotary: RotaryEmbedding,
+                 backend: AttentionBackend, qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        group = layout.layer_to_group[layer_idx]
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=self.head_dim ** -0.5, backend=backend,
+                              sliding_window=layout.groups[group].sliding_window,
+                              kv_cache_group=group)
+
+    def forward(self, positions, hidden, kv_cache, metadata: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: normalise each head before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx, layout, rotary, backend, qk_norm):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, layout, rotary, backend, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, hidden, kv_cache, metadata):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+
+    def __init__(self, config, backend: AttentionBackend, max_position: int | None = None):
+        super().__init__()
+        self.config = config
+        self.layout = KVCacheLayout.from_config(config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        max_position = max_position or config.max_position_embeddings
+        self.rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.layout, self.rotary, backend, self.qk_norm)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
+        """``input_ids, positions [T]``; ``kv_caches[layer]``; ``attn_metadata[cache group]``.
+        Returns the final hidden states ``[T, hidden]`` (logits are computed separately,
+        only for the rows that need them)."""
+        hidden = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            metadata = attn_metadata[self.layout.layer_to_group[i]]
+            hidden = layer(positions, hidden, kv_caches[i], metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)
+
+    # Hugging Face checkpoint names -> our fused parameters: (ours, theirs, shard index).
+    stacked_params = [
+        ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ]
