@@ -1,0 +1,86 @@
+"""Engine settings, validated at the door.
+
+Every check here runs before any model is loaded or any request admitted, and its
+message names the setting, the value, and what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from microvllm.models.loader import DTYPES
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache when num_kv_blocks is not given
+
+
+@dataclass
+class EngineConfig:
+    model: str | Path | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "torch"
+    dtype: str = "float32"
+    seed: int = 0
+    trace: bool = False
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    debug_invariants: bool = False
+    """Call ``check_invariants()`` after every step (slow; for tests and the fuzzer)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, 8, 16, 32...)")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+            if self.num_kv_blocks < 2:
+                raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: the pool needs at least 2 blocks "
+                                 "(block 0 is the reserved null block)")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+            if self.max_num_batched_tokens < self.block_size:
+                raise ValueError(
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than one block "
+                    f"(block_size={self.block_size}): raise it to at least {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if not isinstance(self.attention_backend, str):
+            raise TypeError(f"attention_backend={self.attention_backend!r} must be a backend name such as 'torch'")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise TypeError(f"seed={self.seed!r} must be an int")
+        _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+
+    def finalize(self, max_position_embeddings: int) -> None:
+        """Fill the defaults that depend on the model, then check the combination."""
+        if self.max_model_len is None:
+            self.max_model_len = max_position_embeddings
+        elif self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_position_embeddings}: lower max_model_len")
+        if self.max_num_batched_tokens is None:
+            # Chunked prefill lets a small budget serve any prompt; without it the
+            # whole longest prompt must fit in one step.
+            self.max_num_batched_tokens = 1024 if self.enable_chunked_prefill else self.max_model_len
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len "
+                f"(a prompt is scheduled whole), but {self.max_num_batched_tokens} < {self.max_model_len}: "
+                "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be at least 1")

@@ -1,0 +1,157 @@
+"""Engine: the step loop that ties scheduler, executor and output processing together.
+
+    add_request(id, prompt, params) ──> Request (WAITING) ──> Scheduler
+    step():
+        plan    = scheduler.schedule()                 who computes how many tokens
+        sampled = executor.execute_model(plan)         one forward pass, then sampling
+        core    = scheduler.update_from_output(plan, sampled)   append, stop checks, free
+        outputs = output_processor.process(core)       detokenize, stop strings, n > 1
+        trace.record(...)                              only when tracing is on
+        return outputs                                 RequestOutput per request that moved
+
+The engine never touches a tensor (the executor's worker owns them all) and never
+a block (the scheduler's KV cache manager does).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from microvllm.config import EngineConfig
+from microvllm.core.kv_cache_manager import KVCacheManager, PoolTooSmallError
+from microvllm.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from microvllm.core.config import SchedulerConfig
+from microvllm.core.request import Request, RequestStatus
+from microvllm.core.scheduler import Scheduler
+from microvllm.engine.output_processor import OutputProcessor
+from microvllm.engine.prompts import PromptProcessor
+from microvllm.engine.step_tracer import StepTracer
+from microvllm.executor import Executor
+from microvllm.sampling_params import SamplingParams
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path = _resolve_model_path(config.model)
+        self.prompts = PromptProcessor.from_model_folder(self.model_path)
+        self.executor = Executor(config, self.model_path, self.prompts.eos_token_ids)
+        self.model_config = self.executor.model_config
+        self.prompts.vocab_size = self.model_config.vocab_size
+        layout = self.executor.kv_cache_layout
+        specs = [SlidingWindowSpec(config.block_size, g.sliding_window) if g.sliding_window
+                 else FullAttentionSpec(config.block_size) for g in layout.groups]
+        self.kv_cache_manager = KVCacheManager(specs, config.num_kv_blocks, config.block_size,
+                                               enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=config.max_model_len,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
+            self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.prompts.tokenizer)
+        self.tracer = StepTracer(self) if config.trace else None
+        self.num_steps = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Validate and queue one prompt. ``prompt``: a string, ``{"prompt_token_ids": [...]}``
+        or ``{"prompt": "..."}``. With ``params.n > 1`` it becomes n child requests that
+        share the prompt's blocks through the prefix cache."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id={request_id!r} must be a non-empty string")
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request_id={request_id!r} is already in use: give each request a "
+                             "unique id (or wait until it finishes)")
+        text, token_ids = self.prompts.process(prompt)
+        self._check_fits(request_id, token_ids)
+        child_ids = self.output_processor.add(request_id, text, token_ids, params)
+        if self.tracer is not None:
+            for child_id in child_ids:
+                self.tracer.add_prompt(child_id, text)
+        now = time.monotonic()
+        for index, child_id in enumerate(child_ids):
+            self.scheduler.add_request(Request(
+                child_id, token_ids, _child_params(params, index),
+                eos_token_id=self.prompts.eos_token_id, block_size=self.config.block_size,
+                arrival_time=now))
+
+    def _check_fits(self, request_id: str, token_ids: list[int]) -> None:
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt of request {request_id!r} has {len(token_ids)} tokens but "
+                             f"max_model_len is {max_len} (room is needed for at least one new "
+                             "token): shorten the prompt or raise max_model_len")
+        # The prompt plus one new token must fit in the pool on its own, or it never runs.
+        manager, num_tokens = self.kv_cache_manager, len(token_ids) + 1
+        if not manager.can_fit_ever(num_tokens):
+            raise PoolTooSmallError(request_id, num_tokens, manager.num_blocks_needed(num_tokens),
+                                    manager.num_usable_blocks, self.config.block_size)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request (all its samples) and free its blocks. Aborting an unknown or
+        already finished id is a no-op that returns False (it may have just finished)."""
+        child_ids = self.output_processor.child_ids(request_id)
+        if not child_ids:
+            return False
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self.output_processor.abort(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.num_unfinished()
+
+    # ---------------------------------------------------------------- step
+    def step(self):
+        """Run one engine step; return a ``RequestOutput`` for every request that changed."""
+        plan = self.scheduler.schedule()
+        traced = self.tracer.begin(plan) if self.tracer is not None else None
+        runner_output = self.executor.execute_model(plan)
+        core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids)
+        outputs, stopped = self.output_processor.process(core_outputs, runner_output.logprobs)
+        if stopped:  # stop strings, found by the detokenizer
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.tracer is not None:
+            self.tracer.record(plan, traced, core_outputs, stopped)
+        if self.config.debug_invariants:
+            self.check_invariants()
+        self.num_steps += 1
+        return outputs
+
+    def check_invariants(self) -> None:
+        """Block pool accounting + scheduler bookkeeping + output bookkeeping."""
+        self.scheduler.check_invariants()
+        unfinished = {r.request_id for r in self.scheduler.running} | \
+                     {r.request_id for r in self.scheduler.waiting}
+        self.output_processor.check_invariants(unfinished)
+
+    @property
+    def trace(self):
+        return self.tracer.trace if self.tracer is not None else None
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index`` of an ``n > 1`` request: its own seed (seed + index), so the
+    samples differ yet each stays reproducible."""
+    if params.n == 1:
+        return params
+    return params.clone(n=1, seed=None if params.seed is None else params.seed + index)
+
+
+def _resolve_model_path(model) -> Path:
+    if model is None:
+        from microvllm.models.default_model import default_model_path
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model={str(model)!r} is not a folder: pass model=None for the "
+                                "embedded default model or the path of a Hugging Face model folder "
+                                "(config.json + *.safetensors; hub names are not downloaded)")
+    return path

@@ -1,0 +1,152 @@
+"""OutputProcessor: from new token ids to what the user sees.
+
+Per request it keeps an incremental detokenizer (text grows as tokens arrive, stop
+strings are found even when split across tokens) and, for ``n > 1``, the parent that
+gathers its samples::
+
+    parent "7"  (n=2)            what step() returns
+      ├── child "0_7"  tokens, text, finish_reason   RequestOutput("7", outputs=[
+      └── child "1_7"  tokens, text, finish_reason       CompletionOutput(0, ...),
+                                                         CompletionOutput(1, ...)])
+
+A stop string is found here, not in the scheduler (which sees only ids), so the
+processor reports those children back to the engine to be finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from microvllm.detokenizer import IncrementalDetokenizer
+from microvllm.engine.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class ChildState:
+    child_id: str
+    parent: "ParentState"
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: object
+    children: list[ChildState] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    def finished(self) -> bool:
+        return all(c.completion.finish_reason is not None for c in self.children)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [c.completion for c in self.children], finished=self.finished(),
+                             num_cached_tokens=self.num_cached_tokens)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.children: dict[str, ChildState] = {}
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.parents
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return []
+        return [c.child_id for c in parent.children if c.completion.finish_reason is None]
+
+    def num_unfinished(self) -> int:
+        return len(self.parents)
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params) -> list[str]:
+        parent = ParentState(request_id, prompt, prompt_token_ids, params)
+        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        for index, child_id in enumerate(ids):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            completion = CompletionOutput(index=index,
+                                          logprobs=[] if params.logprobs is not None else None)
+            child = ChildState(child_id, parent, completion, detok)
+            parent.children.append(child)
+            self.children[child_id] = child
+        self.parents[request_id] = parent
+        return ids
+
+    def process(self, core_outputs, logprobs: dict) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's new tokens. Returns (outputs of requests that changed,
+        child ids that hit a stop string and must be finished by the scheduler)."""
+        changed: dict[str, ParentState] = {}
+        stopped: list[str] = []
+        for parent in self.parents.values():
+            for child in parent.children:
+                child.completion.delta_text, child.completion.delta_token_ids = "", []
+        for core in core_outputs:
+            child = self.children.get(core.request_id)
+            if child is None:
+                continue
+            completion, parent = child.completion, child.parent
+            new_ids = list(core.new_token_ids)
+            completion.token_ids.extend(new_ids)
+            completion.delta_token_ids = new_ids
+            if core.num_cached_tokens and not parent.num_cached_tokens:
+                parent.num_cached_tokens = core.num_cached_tokens
+            if completion.logprobs is not None and core.request_id in logprobs:
+                entry = logprobs[core.request_id]
+                completion.logprobs.append(entry)
+                token = new_ids[-1] if new_ids else None
+                if token is not None and token in entry:
+                    completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + entry[token]
+            if child.detokenizer is not None and new_ids:
+                delta = child.detokenizer.update(new_ids) or ""
+                completion.delta_text = delta
+                completion.text += delta
+                if child.detokenizer.finished and core.finish_reason is None:
+                    completion.finish_reason, completion.stop_reason = "stop", child.detokenizer.stop_reason
+                    stopped.append(core.request_id)
+            if core.finish_reason is not None and completion.finish_reason is None:
+                completion.finish_reason, completion.stop_reason = core.finish_reason, core.stop_reason
+                if child.detokenizer is not None:
+                    tail = child.detokenizer.flush() if hasattr(child.detokenizer, "flush") else ""
+                    if tail:
+                        completion.delta_text += tail
+                        completion.text += tail
+            changed[parent.request_id] = parent
+        outputs = []
+        for parent in changed.values():
+            outputs.append(parent.to_output())
+            if parent.finished():
+                self._drop(parent)
+        return outputs, stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if child.completion.finish_reason is None:
+                child.completion.finish_reason = "abort"
+        self._drop(parent)
+        return parent.to_output()
+
+    def _drop(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.children.pop(child.child_id, None)
+
+    def check_invariants(self, unfinished_in_scheduler: set[str]) -> None:
+        """Every request the scheduler still holds is tracked here, and vice versa."""
+        tracked = {cid for cid, c in self.children.items() if c.completion.finish_reason is None}
+        if tracked != unfinished_in_scheduler:
+            raise AssertionError(
+                f"output bookkeeping drifted: only in scheduler {sorted(unfinished_in_scheduler - tracked)}, "
+                f"only in output processor {sorted(tracked - unfinished_in_scheduler)}")

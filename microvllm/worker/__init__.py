@@ -1,0 +1,1 @@
+"""The worker side: owns every tensor (weights, KV cache, input buffers)."""

@@ -1,0 +1,170 @@
+"""ModelRunner: turns the scheduler's plan into tensors, runs the model, samples.
+
+One step, three requests (a 4-token prefill chunk of ``a`` whose first 8 tokens are
+cached, and two decodes)::
+
+    plan: num_scheduled_tokens = {a: 4, b: 1, c: 1}
+    input_ids        [a8 a9 a10 a11 | b17 | c5]         tokens not yet computed
+    positions        [ 8  9  10  11 |  17 |  5]         num_computed_tokens + i
+    query_start_loc  [0, 4, 5, 6]
+    seq_lens         [12, 18, 6]                        context incl. this step
+    slot_mapping     [block_table[a][8//B]*B + 8%B, ...] where each new K/V is written
+    logits_indices   [3, 4, 5]    last row of each request whose next token is due
+
+A request whose chunk does not reach its last known token (a partial prefill) is
+in the batch but gets no logits and no sample. The runner keeps its own copy of each
+request's tokens and block table between steps (``CachedRequestState``,
+``BlockTable``), so the scheduler only sends what changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from microvllm.attention.metadata import AttentionMetadata
+from microvllm.sample.metadata import SamplingMetadata, make_generator
+from microvllm.sample.sampler import Sampler
+from microvllm.worker.block_table import BlockTable
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]          # prompt + outputs known to the runner
+    num_prompt_tokens: int
+    sampling_params: object
+    generator: torch.Generator | None
+    num_computed_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]                                   # requests that got a new token
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, object] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches: list[torch.Tensor], *, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
+                 seed: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler(seed)  # its generator serves requests without a seed
+        self.requests: dict[str, CachedRequestState] = {}
+        max_blocks = -(-max_model_len // block_size)
+        self.block_tables = [BlockTable(max_num_seqs, max_blocks, block_size)
+                             for _ in model.layout.groups]
+        # Persistent input buffers: each step fills a prefix of them in place.
+        self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
+        self.positions = torch.zeros(max_num_batched_tokens, dtype=torch.long)
+        self.arange = torch.arange(max(max_num_batched_tokens, max_num_seqs) + 1, dtype=torch.long)
+
+    # ---------------------------------------------------------------- state
+    def _update_states(self, plan) -> None:
+        for req_id in plan.finished_req_ids | plan.preempted_req_ids:
+            self._remove(req_id)
+        for new in plan.scheduled_new_reqs:
+            self._remove(new.req_id)  # a resumed request starts over
+            params = new.sampling_params
+            seed = getattr(params, "seed", None)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
+                generator=make_generator(seed) if seed is not None else None,
+                num_computed_tokens=new.num_computed_tokens)
+            for table, ids in zip(self.block_tables, new.block_ids):
+                table.add_request(new.req_id, list(ids))
+        for cached in plan.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            for table, ids in zip(self.block_tables, cached.new_block_ids):
+                table.append(cached.req_id, list(ids))
+
+    def _remove(self, req_id: str) -> None:
+        if self.requests.pop(req_id, None) is not None:
+            for table in self.block_tables:
+                table.remove_request(req_id)
+
+    # --------------------------------------------------------------- inputs
+    def _prepare_inputs(self, plan):
+        req_ids = [r.req_id for r in plan.scheduled_new_reqs] + \
+                  [r.req_id for r in plan.scheduled_cached_reqs]
+        num_scheduled = [plan.num_scheduled_tokens[r] for r in req_ids]
+        states = [self.requests[r] for r in req_ids]
+        num_tokens = sum(num_scheduled)
+        start = [s.num_computed_tokens for s in states]
+
+        counts = torch.tensor(num_scheduled, dtype=torch.long)
+        request_index = torch.repeat_interleave(self.arange[:len(req_ids)], counts)
+        query_start_loc = torch.zeros(len(req_ids) + 1, dtype=torch.int32)
+        torch.cumsum(counts, 0, out=query_start_loc[1:])
+        # position of token t = its request's num_computed_tokens + its offset in the chunk
+        offsets = self.arange[:num_tokens] - query_start_loc[:-1].long()[request_index]
+        positions = self.positions[:num_tokens]
+        torch.add(torch.tensor(start, dtype=torch.long)[request_index], offsets, out=positions)
+        input_ids = self.input_ids[:num_tokens]
+        flat = [t for s, a, n in zip(states, start, num_scheduled) for t in s.token_ids[a:a + n]]
+        input_ids.copy_(torch.tensor(flat, dtype=torch.long))
+
+        seq_lens_cpu = [a + n for a, n in zip(start, num_scheduled)]
+        seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int32)
+        max_blocks = -(-max(seq_lens_cpu) // self.block_size)
+        qsl_cpu = query_start_loc.tolist()
+        metadata = []
+        for table in self.block_tables:
+            batch_table = table.gather(req_ids, max_blocks)
+            metadata.append(AttentionMetadata(
+                num_actual_tokens=num_tokens, max_query_len=max(num_scheduled),
+                max_seq_len=max(seq_lens_cpu), query_start_loc=query_start_loc, seq_lens=seq_lens,
+                block_table=batch_table,
+                slot_mapping=table.slot_mapping(batch_table, request_index, positions),
+                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu))
+
+        # Only requests whose chunk reaches their last known token sample a new one.
+        sampling = [i for i, (s, n) in enumerate(zip(seq_lens_cpu, states)) if s == len(n.token_ids)]
+        logits_indices = torch.tensor([qsl_cpu[i + 1] - 1 for i in sampling], dtype=torch.long)
+        return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, plan) -> ModelRunnerOutput:
+        self._update_states(plan)
+        if plan.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], {})
+        req_ids, states, input_ids, positions, metadata, sampling, logits_indices = \
+            self._prepare_inputs(plan)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        for state, req_id in zip(states, req_ids):
+            state.num_computed_tokens += plan.num_scheduled_tokens[req_id]
+        if not sampling:
+            return ModelRunnerOutput([], {})
+        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        sampled_states = [states[i] for i in sampling]
+        sampling_metadata = SamplingMetadata.from_params(
+            [s.sampling_params for s in sampled_states],
+            [s.generator for s in sampled_states],
+            num_output_tokens=[s.num_output_tokens for s in sampled_states],
+            eos_token_ids=self.eos_token_ids)
+        out = self.sampler(logits, sampling_metadata)
+        tokens = out.sampled_token_ids.tolist()
+        result = ModelRunnerOutput(req_ids=[s.req_id for s in sampled_states], sampled_token_ids={})
+        for state, token in zip(sampled_states, tokens):
+            state.token_ids.append(token)
+            result.sampled_token_ids[state.req_id] = [token]
+        if out.logprobs_tensors is not None:
+            ids, logprobs, _ = out.logprobs_tensors.tolists()
+            for row, state in enumerate(sampled_states):
+                n = state.sampling_params.logprobs
+                if n is not None:  # column 0 is the sampled token, then the top n
+                    result.logprobs[state.req_id] = dict(zip(ids[row][:n + 1], logprobs[row][:n + 1]))
+        return result
