@@ -66,7 +66,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 def _load_builtin_backends() -> None:
     # Imported lazily so that `import microvllm` never imports triton.
-    from microvllm.attention import torch_ref  # noqa: F401
+    from microvllm.attention import torch_ref, torch_sdpa  # noqa: F401
     try:
         from microvllm.attention import triton_backend  # noqa: F401
     except ImportError:  # module not written yet / optional

@@ -1,5 +1,5 @@
-"""Reference paged attention in plain torch: slow, readable, and the oracle that
-the Triton kernels are tested against.
+"""Reference paged attention in plain torch: slow, readable, and the oracle that the
+fast torch backend (``torch_sdpa.py``) and the Triton kernels are tested against.
 
 For each request we gather its context from the paged cache through its block table
 into a dense ``[seq_len, num_kv_heads, head_dim]`` tensor, then run ordinary masked
@@ -60,20 +60,20 @@ def paged_attention_torch(query, kv_cache, metadata: AttentionMetadata, *, scale
             continue
         keys, values = gather_context(kv_cache, metadata.block_table[i], seq_len)
         # GQA: query head h reads KV head h // group.
-        keys = keys.repeat_interleave(group, dim=1).float()
-        values = values.repeat_interleave(group, dim=1).float()
-        q = query[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        keys = keys.repeat_interleave(group, dim=1).float().transpose(0, 1)      # [h, k, d]
+        values = values.repeat_interleave(group, dim=1).float().transpose(0, 1)  # [h, k, d]
+        q = query[start:end].float().transpose(0, 1)                             # [h, q, d]
+        scores = (q @ keys.transpose(1, 2)) * scale                              # [h, q, k]
         mask = attention_mask(end - start, seq_len, sliding_window, query.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key -> zeros
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+        out[start:end] = (probs @ values).transpose(0, 1).to(query.dtype)
     return out
 
 
-@register_backend("torch")
+@register_backend("reference")
 class TorchReferenceBackend(AttentionBackend):
-    """Readable per-request attention; the correctness oracle."""
+    """Readable per-request attention; the correctness oracle (``attention_backend="reference"``)."""
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
         write_kv_torch(key, value, kv_cache, slot_mapping)

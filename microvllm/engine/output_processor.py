@@ -107,7 +107,10 @@ class OutputProcessor:
                 if token is not None and token in entry:
                     completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + entry[token]
             if child.detokenizer is not None and new_ids:
-                delta = child.detokenizer.update(new_ids) or ""
+                # finished: release any text held back; stop_terminated: the last token
+                # is an eos/stop token, whose text is not part of the output.
+                delta = child.detokenizer.update(new_ids, finished=core.finish_reason is not None,
+                                                 stop_terminated=core.finish_reason == "stop")
                 completion.delta_text = delta
                 completion.text += delta
                 if child.detokenizer.finished and core.finish_reason is None:
@@ -115,11 +118,6 @@ class OutputProcessor:
                     stopped.append(core.request_id)
             if core.finish_reason is not None and completion.finish_reason is None:
                 completion.finish_reason, completion.stop_reason = core.finish_reason, core.stop_reason
-                if child.detokenizer is not None:
-                    tail = child.detokenizer.flush() if hasattr(child.detokenizer, "flush") else ""
-                    if tail:
-                        completion.delta_text += tail
-                        completion.text += tail
             changed[parent.request_id] = parent
         outputs = []
         for parent in changed.values():

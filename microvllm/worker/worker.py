@@ -36,7 +36,10 @@ class Worker:
         config.finalize(self.hf_config.max_position_embeddings)
         if config.num_kv_blocks is None:
             per_block = kv_cache_bytes_per_block(self.model, config.block_size, dtype)
-            config.num_kv_blocks = max(2, config.kv_cache_memory_bytes // per_block)
+            # No more than max_num_seqs requests of max_model_len tokens could ever use
+            # (+1: the null block); a tiny model would otherwise get ~100k blocks.
+            most_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
+            config.num_kv_blocks = max(2, min(config.kv_cache_memory_bytes // per_block, most_useful))
             logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)",
                         config.num_kv_blocks, config.block_size,
                         (config.num_kv_blocks - 1) * config.block_size,

@@ -1,0 +1,86 @@
+"""Fast paged attention in torch for CPUs: the default ``attention_backend="torch"``.
+
+The reference (``torch_ref.py``) loops over requests one by one. On a CPU most of a
+step is decodes, so this backend treats them all at once:
+
+    decodes (one query each), B requests, longest context S:
+        block_table [B, nb] --gather--> K, V [B, nb*B_s, kv_heads, d]    (padded to S)
+        mask        [B, 1, 1, S]        key j visible iff j < seq_len (and inside the window)
+        out = scaled_dot_product_attention(q [B, heads, 1, d], K, V, mask, enable_gqa=True)
+
+    prefill chunks (query_len > 1): few per step and long, so one SDPA call each
+    over that request's gathered context, with a causal mask offset by the context
+    already cached.
+
+Same inputs, same outputs as the reference; the tests compare them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from microvllm.attention.backend import AttentionBackend, register_backend
+from microvllm.attention.metadata import AttentionMetadata
+from microvllm.attention.torch_ref import attention_mask, gather_context, write_kv_torch
+
+
+def _decode_batch(query, kv_cache, block_table, seq_lens, scale, sliding_window):
+    """``query [B, heads, d]`` each attending over its own context: one SDPA call."""
+    block_size = kv_cache.shape[2]
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    table = block_table[:, :num_blocks].long()
+    keys = kv_cache[0][table].flatten(1, 2)[:, :max_len]      # [B, S, kv_heads, d]
+    values = kv_cache[1][table].flatten(1, 2)[:, :max_len]
+    k_pos = torch.arange(max_len)[None, :]
+    last = (seq_lens.long() - 1)[:, None]                      # the query's own position
+    visible = k_pos <= last
+    if sliding_window is not None:
+        visible &= k_pos > last - sliding_window
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _prefill_one(query, kv_cache, block_table_row, seq_len, scale, sliding_window):
+    """One request's chunk ``query [q, heads, d]`` over its context ``[seq_len]``."""
+    keys, values = gather_context(kv_cache, block_table_row, seq_len)
+    mask = attention_mask(query.shape[0], seq_len, sliding_window)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention_sdpa(query, kv_cache, metadata: AttentionMetadata, *, scale: float,
+                         sliding_window: int | None = None) -> torch.Tensor:
+    qsl = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
+    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+    out = torch.zeros_like(query)
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    if decodes:
+        rows = torch.tensor([qsl[i] for i in decodes])
+        index = torch.tensor(decodes)
+        out[rows] = _decode_batch(query[rows], kv_cache, metadata.block_table[index],
+                                  metadata.seq_lens[index], scale, sliding_window)
+    for i, n in enumerate(query_lens):
+        if n > 1:
+            out[qsl[i]:qsl[i + 1]] = _prefill_one(query[qsl[i]:qsl[i + 1]], kv_cache,
+                                                  metadata.block_table[i], seq_lens[i], scale,
+                                                  sliding_window)
+    return out
+
+
+@register_backend("torch")
+class TorchSDPABackend(AttentionBackend):
+    """Decodes batched into one SDPA call, prefill chunks one call each."""
+
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        write_kv_torch(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query, kv_cache, metadata, *, scale, sliding_window=None):
+        return paged_attention_sdpa(query, kv_cache, metadata, scale=scale,
+                                    sliding_window=sliding_window)

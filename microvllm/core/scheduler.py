@@ -1,0 +1,294 @@
+"""Scheduler: one rule, no phases. Each step, let every request's
+``num_computed_tokens`` catch up with its ``num_tokens``, within a token budget.
+
+That single rule gives continuous batching (requests join and leave any step),
+chunked prefill (a long prompt takes several steps) and mixed steps (prefill
+chunks and decode tokens in one batch):
+
+    step   budget 8   request a (prompt 10)     request b (prompt 3)
+     1     a: 8       prefill chunk 0..7        waiting
+     2     a: 2 b: 3  prefill 8..9 -> sample    prefill 0..2 -> sample      (mixed)
+     3     a: 1 b: 1  decode                    decode
+     ...
+
+One request's life:
+
+    add_request -> WAITING --schedule: admitted (FCFS, prefix hits)--> RUNNING
+                     ^                                                  |  prefill chunk(s),
+                     | front of the queue                               |  then one decode
+                     |                                                  |  token per step
+                  PREEMPTED <--allocate_slots returned None-------------+
+                  (blocks freed,                                         |
+                   num_computed_tokens = 0,             update_from_output: stop condition
+                   keeps its output tokens;             or finish_requests (abort)
+                   resumes as a NEW request,                             v
+                   recomputing prompt + outputs)     FINISHED_* (blocks freed, id in
+                                                     the next finished_req_ids)
+
+Preemption is by recompute: the most recently admitted running request
+(``running[-1]``) gives up its blocks. In a step that preempted, no waiting
+request is admitted (it would just take the blocks back).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from microvllm.core.config import SchedulerConfig
+from microvllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PoolTooSmallError
+from microvllm.core.outputs import EngineCoreOutput
+from microvllm.core.request import Request, RequestStatus
+from microvllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from microvllm.core.scheduler_invariants import check_scheduler_invariants
+from microvllm.core.stop_conditions import check_stop
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.scheduler_config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Otherwise a long prompt (or a preempted request's prompt + outputs)
+            # could never be scheduled whole.
+            raise ValueError(
+                f"enable_chunked_prefill=False needs max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f">= max_model_len ({self.max_model_len}): raise max_num_batched_tokens, lower "
+                "max_model_len, or enable chunked prefill"
+            )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()  # FCFS; preempted ones go to the front
+        self.running: list[Request] = []  # in admission order: running[-1] is preempted first
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+
+    # ----------------------------------------------------------- requests in
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; refuse one that could never run. O(1)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} tokens but "
+                f"max_model_len is {self.max_model_len}: shorten the prompt or raise max_model_len"
+            )
+        self.kv_cache_manager.check_can_fit_ever(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish (abort, by default) waiting or running requests; free their blocks.
+        Unknown or already finished ids are ignored. O(requests) each."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status.name} is not a finished status")
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ----------------------------------------------------------------- plan
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then waiting ones in FCFS order.
+
+        O(scheduled requests * their blocks). Raises PoolTooSmallError instead of
+        returning an empty plan forever when the head request can never fit.
+        """
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_blocks: dict[str, KVCacheBlocks] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests, oldest first: each catches up as far as the budget allows.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._cap_new_tokens(request, request.num_computed_tokens, token_budget)
+            if num_new_tokens == 0:
+                index += 1
+                continue
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            while blocks is None:
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if blocks is None:
+                break  # the request itself was the last one left to preempt
+            new_blocks[request.request_id] = blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            index += 1
+        scheduled_running = [r for r in self.running if r.request_id in num_scheduled_tokens]
+
+        # 2. Waiting requests, FCFS, unless this step had to preempt.
+        scheduled_new: list[Request] = []
+        prefix_hits: dict[str, int] = {}
+        while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                break  # whole prompt or nothing: wait for a step with more budget
+            num_new_tokens = self._cap_new_tokens(request, num_hit_tokens, token_budget)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks)
+            if blocks is None:
+                break  # pool full: stop admitting (FCFS, no overtaking)
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            prefix_hits[request.request_id] = num_hit_tokens
+            scheduled_new.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        if not num_scheduled_tokens and not preempted and self.waiting:
+            self._raise_no_progress(self.waiting[0])
+        return self._make_output(scheduled_new, scheduled_running, new_blocks,
+                                 num_scheduled_tokens, preempted, prefix_hits)
+
+    def _cap_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        """Tokens to compute: the rest of the request, within the budget and max_model_len."""
+        num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget)
+        # Positions must stay below max_model_len.
+        return max(min(num_new_tokens, self.max_model_len - num_computed_tokens), 0)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _raise_no_progress(self, request: Request) -> None:
+        """Nothing runs and the head request cannot start: say why instead of spinning."""
+        kv = self.kv_cache_manager
+        num_hit_tokens = kv.get_computed_blocks(request)[1]
+        num_new_tokens = self._cap_new_tokens(request, num_hit_tokens, self.max_num_batched_tokens)
+        num_blocks = kv.num_blocks_needed_for_chunk(num_hit_tokens, num_new_tokens)
+        if num_blocks > kv.num_usable_blocks:
+            raise PoolTooSmallError(request.request_id, num_hit_tokens + num_new_tokens, num_blocks,
+                                    kv.num_usable_blocks, kv.block_size)
+        raise RuntimeError(
+            f"scheduler made no progress: request {request.request_id!r} ({request.num_tokens} tokens) "
+            f"cannot be scheduled although nothing is running; this is a bug in the scheduler"
+        )
+
+    def _make_output(self, scheduled_new: list[Request], scheduled_running: list[Request],
+                     new_blocks: dict[str, KVCacheBlocks], num_scheduled_tokens: dict[str, int],
+                     preempted: list[Request], prefix_hits: dict[str, int]) -> SchedulerOutput:
+        """Freeze the plan, then advance num_computed_tokens (the runner will compute them)."""
+        kv = self.kv_cache_manager
+        new_reqs = tuple(
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=tuple(r.prompt_token_ids),
+                output_token_ids=tuple(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=tuple(tuple(ids) for ids in kv.get_block_ids(r.request_id)),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in scheduled_new
+        )
+        cached_reqs = tuple(
+            CachedRequestData(
+                req_id=r.request_id,
+                new_block_ids=tuple(tuple(ids) for ids in new_blocks[r.request_id].get_block_ids()),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in scheduled_running
+        )
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            preempted_req_ids=frozenset(r.request_id for r in preempted),
+            finished_req_ids=frozenset(self.finished_req_ids),
+            num_prefix_hit_tokens=prefix_hits,
+        )
+        for request in (*scheduled_running, *scheduled_new):
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        self.finished_req_ids = set()
+        return output
+
+    # ---------------------------------------------------------- results in
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[EngineCoreOutput]:
+        """Append the runner's sampled tokens and stop finished requests.
+
+        A request whose prefill is still partial (num_computed_tokens <
+        num_tokens) sampled nothing real: anything given for it is ignored.
+        Every other scheduled request must have at least one sampled token.
+        Finished requests' blocks are freed here. O(scheduled requests).
+        """
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[str] = set()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted (or preempted) since schedule()
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: no token to sample yet
+            token_ids = sampled_token_ids.get(request_id)
+            if not token_ids:
+                raise ValueError(
+                    f"no sampled token for request {request_id!r}: it finished its prefill or decoded "
+                    "this step, so the runner must return the token it sampled"
+                )
+            appended = []
+            for token_id in token_ids:
+                request.append_output_token_ids(token_id)
+                appended.append(token_id)
+                if check_stop(request, self.max_model_len):
+                    stopped.add(request_id)
+                    break
+            outputs.append(EngineCoreOutput(request_id, tuple(appended), request.get_finished_reason(),
+                                            request.stop_reason, max(request.num_cached_tokens, 0)))
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+            for request_id in stopped:
+                self._free_request(self.requests[request_id])
+        return outputs
+
+    # -------------------------------------------------------------- queries
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """KV cache invariants plus the scheduler's own bookkeeping. O(requests + blocks).
+        Raises InvariantError; see ``core/scheduler_invariants.py``."""
+        check_scheduler_invariants(self)

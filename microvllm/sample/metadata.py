@@ -1,0 +1,116 @@
+"""SamplingMetadata: one step's sampling parameters, as batched tensors.
+
+The runner computes logits for a batch; row i belongs to the i-th request of this
+step. The sampler must treat every row by its own request's rules without a Python
+loop over rows, so the per-request ``SamplingParams`` become one column each::
+
+    request        A (greedy)   B (t=0.8, top_k=50)   C (t=1.0, top_p=0.9, seed=7)
+    row            0            1                     2
+    temperature    [0.0,        0.8,                  1.0]
+    top_k          [0,          50,                   0  ]   (0 = off)
+    top_p          [1.0,        1.0,                  0.9]   (1.0 = off)
+    generators     {                                  2: C's own torch.Generator}
+
+A filter whose column is all "off" is left out (None) so that the sampler skips it.
+
+Built fresh every step with ``SamplingMetadata.from_params`` (cheap: a few small
+tensors). The per-request generators are *not* rebuilt: each seeded request owns
+one for its whole life (create it with ``make_generator(params.seed)`` when the
+request arrives), so its random stream continues from step to step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from microvllm.sampling_params import SamplingParams
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A random generator on ``device``, seeded with ``seed`` (None: a random seed)."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Everything the sampler needs about the rows of one step's logits.
+
+    ``temperature`` is 0.0 on greedy rows (temperature 0 or top_k 1); the sampler
+    takes the argmax there. ``all_greedy`` / ``all_random`` let it skip work.
+    ``generators`` maps a row to its request's own generator (seeded, non-greedy
+    rows only); every other random row uses the sampler's shared generator.
+    ``max_num_logprobs`` is the largest ``logprobs`` asked for in the batch (None:
+    nobody asked). ``min_tokens_banned_ids`` maps a row that has produced fewer than
+    ``min_tokens`` tokens to the ids it must not sample yet (eos, stop_token_ids).
+    """
+
+    temperature: torch.Tensor                  # [num_reqs] float32
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None                 # [num_reqs] int64, 0 = off
+    top_p: torch.Tensor | None                 # [num_reqs] float32, 1.0 = off
+    min_p: torch.Tensor | None                 # [num_reqs] float32, 0.0 = off
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    max_num_logprobs: int | None = None
+    min_tokens_banned_ids: dict[int, set[int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams],
+                    generators: list[torch.Generator | None] | None = None, *,
+                    num_output_tokens: list[int] | None = None,
+                    eos_token_ids: set[int] | frozenset[int] = frozenset(),
+                    device: str | torch.device = "cpu") -> "SamplingMetadata":
+        """Batch the parameters of this step's requests, in row order.
+
+        generators[i]: request i's own generator (None if it has no seed).
+        num_output_tokens[i]: tokens request i has generated so far (for min_tokens).
+        eos_token_ids: the model's eos ids, banned with stop_token_ids before min_tokens
+            (unless the request sets ignore_eos).
+        """
+        num_reqs = len(params)
+        generators = generators if generators is not None else [None] * num_reqs
+        if len(generators) != num_reqs:
+            raise ValueError(f"got {len(generators)} generators for {num_reqs} requests: "
+                             "pass one per request, None for requests without a seed")
+        greedy = [p.greedy for p in params]
+        temperature = [0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+        random_params = [p for p, g in zip(params, greedy) if not g]
+
+        def column(values: list, off_value, dtype: torch.dtype) -> torch.Tensor | None:
+            # Leave the filter out when no random row uses it.
+            if all(value == off_value for value, g in zip(values, greedy) if not g):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        banned: dict[int, set[int]] = {}
+        if num_output_tokens is not None:
+            for row, (p, num_tokens) in enumerate(zip(params, num_output_tokens)):
+                if num_tokens < p.min_tokens:
+                    ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                    if ids:
+                        banned[row] = ids
+
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            all_greedy=not random_params,
+            all_random=not any(greedy),
+            top_k=column([p.top_k for p in params], 0, torch.int64),
+            top_p=column([float(p.top_p) for p in params], 1.0, torch.float32),
+            min_p=column([float(p.min_p) for p in params], 0.0, torch.float32),
+            generators={row: g for row, g in enumerate(generators)
+                        if g is not None and not greedy[row]},
+            max_num_logprobs=max(asked) if asked else None,
+            min_tokens_banned_ids=banned,
+        )
+
+    @property
+    def num_reqs(self) -> int:
+        return self.temperature.shape[0]

@@ -1,0 +1,92 @@
+"""The Sampler: from one step's logits to one next token per request.
+
+    logits [num_reqs, vocab] ──┬─> log_softmax ──────────────────────────> logprobs (raw)
+                               └─> min_tokens: ban eos/stop ids
+                                      ├─> argmax ─────────────────────────> greedy rows
+                                      └─> / temperature -> top_k -> top_p
+                                          -> min_p -> softmax -> draw ────> random rows
+                                                                  │
+    sampled_token_ids [num_reqs] <── where(row is greedy, greedy, random)
+
+The whole batch goes through each stage at once (one tensor op per stage); the
+only Python loop draws the noise of seeded rows from their own generators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from microvllm.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
+from microvllm.sample.metadata import SamplingMetadata, make_generator
+from microvllm.sample.penalties import apply_min_tokens_penalty
+from microvllm.sample.topk_topp_sampler import apply_min_p, apply_top_k, apply_top_p, random_sample
+from microvllm.sampling_params import SAMPLING_EPS
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor              # [num_reqs] int64
+    logprobs_tensors: LogprobsTensors | None     # None when no request asked for logprobs
+
+
+class Sampler(nn.Module):
+    """Samples the next token of every row of a batch.
+
+    ``seed`` seeds the shared generator used by requests without their own seed
+    (the engine's ``seed``), so that a whole run is reproducible.
+    """
+
+    def __init__(self, seed: int | None = 0, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.generator = make_generator(seed, device)
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != sampling_metadata.num_reqs:
+            raise ValueError(f"logits must be [num_reqs={sampling_metadata.num_reqs}, vocab_size], "
+                             f"got shape {tuple(logits.shape)}: one row per request of this step")
+        logits = logits.float()
+        # Logprobs describe the model's own prediction: take them before any change.
+        raw_logprobs = (compute_logprobs(logits)
+                        if sampling_metadata.max_num_logprobs is not None else None)
+
+        if sampling_metadata.min_tokens_banned_ids:
+            logits = logits.clone()  # the caller's logits stay untouched
+            apply_min_tokens_penalty(logits, sampling_metadata.min_tokens_banned_ids.items())
+
+        sampled = self.sample(logits, sampling_metadata)
+
+        logprobs_tensors = None
+        if raw_logprobs is not None:
+            logprobs_tensors = gather_logprobs(raw_logprobs, sampling_metadata.max_num_logprobs,
+                                               sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+
+    def sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax; random rows are filtered and drawn."""
+        greedy_sampled = None
+        if not sampling_metadata.all_random:
+            # Exactly torch.argmax, as Hugging Face greedy search does: same ids.
+            greedy_sampled = logits.argmax(dim=-1)
+            if sampling_metadata.all_greedy:
+                return greedy_sampled
+
+        temperature = sampling_metadata.temperature
+        is_greedy = temperature < SAMPLING_EPS
+        # Greedy rows are computed too (it is one batched op) and discarded below;
+        # dividing them by 1.0 instead of 0 keeps them finite.
+        logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1)
+        if sampling_metadata.top_k is not None:
+            logits = apply_top_k(logits, sampling_metadata.top_k)
+        if sampling_metadata.top_p is not None:
+            logits = apply_top_p(logits, sampling_metadata.top_p)
+        if sampling_metadata.min_p is not None:
+            logits = apply_min_p(logits, sampling_metadata.min_p)
+        probs = logits.softmax(dim=-1)
+        random_sampled = random_sample(probs, sampling_metadata.generators, self.generator)
+
+        if greedy_sampled is None:
+            return random_sampled
+        return torch.where(is_greedy, greedy_sampled, random_sampled)

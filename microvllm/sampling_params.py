@@ -1,0 +1,184 @@
+"""SamplingParams: how one request chooses its tokens and when it stops.
+
+Same names and defaults as ``vllm.SamplingParams``, so that
+``SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64)`` means the same
+thing in both. Every value is checked here, at construction, so that a mistake
+surfaces as a message about the parameter, not as a NaN deep inside the sampler.
+
+How the sampler uses them, per generated token::
+
+    logits --/temperature--> --top_k--> --top_p--> --min_p--> softmax --> draw
+             (0 = greedy: argmax of the raw logits, every other knob ignored)
+
+How the engine uses the rest: ``max_tokens`` / ``min_tokens`` / ``stop`` /
+``stop_token_ids`` / ``ignore_eos`` decide when a request ends; ``seed`` gives the
+request its own random generator; ``logprobs`` asks for the top-N log-probabilities
+of every generated token.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+
+# Below this temperature vLLM samples greedily: dividing by ~0 would overflow.
+SAMPLING_EPS = 1e-5
+
+# vLLM options that microvllm does not implement, to say so instead of "unknown".
+VLLM_ONLY_OPTIONS = ("best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                     "guided_decoding", "structured_outputs", "output_kind", "detokenize",
+                     "spaces_between_special_tokens", "truncate_prompt_tokens")
+
+
+class SamplingParams:
+    """Sampling parameters of one request (vLLM's names and defaults; all but n by keyword).
+
+    n: output sequences per prompt.
+    temperature: logits are divided by it; 0 means greedy (always the most likely token).
+    top_p: keep the smallest set of tokens whose probability adds up to at least top_p.
+    top_k: keep the k most likely tokens; 0 (or -1) keeps all.
+    min_p: drop tokens less likely than min_p times the most likely one.
+    seed: gives the request its own random generator, so that its samples depend on
+        nothing else in the batch.
+    max_tokens: most tokens to generate (None: until the model's max_model_len).
+    min_tokens: eos and stop_token_ids cannot be generated before this many tokens.
+    stop: strings that end the output (not included unless include_stop_str_in_output).
+    stop_token_ids: token ids that end the output, besides eos.
+    ignore_eos: keep generating after eos.
+    logprobs: return the log-probabilities of the top-N tokens at each step.
+    skip_special_tokens: leave special tokens (``<|im_end|>``) out of the text.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+                 "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+                 "skip_special_tokens", "include_stop_str_in_output")
+
+    def __init__(self, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                 max_tokens: int | None = 16, min_tokens: int = 0,
+                 stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+                 ignore_eos: bool = False, logprobs: int | None = None,
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+                 **unknown_kwargs):
+        if unknown_kwargs:
+            raise TypeError(_unknown_kwargs_message(unknown_kwargs))
+        self.n = n
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.min_p = min_p
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.stop = _as_list("stop", stop, str)
+        self.stop_token_ids = _as_list("stop_token_ids", stop_token_ids, int)
+        self.ignore_eos = ignore_eos
+        self.logprobs = logprobs
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._verify()
+        if self.top_k == -1:
+            self.top_k = 0  # vLLM's older spelling of "off"; 0 is the one it uses now
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling always takes the most likely token."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    def _verify(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}: ask for 1 or more outputs")
+        _check_number("temperature", self.temperature)
+        if math.isnan(self.temperature) or math.isinf(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}: "
+                             "use 0 for greedy decoding, 1.0 for the model's distribution")
+        _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:  # also False for NaN
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}: "
+                             "use 1.0 to keep every token, e.g. 0.9 to keep the top 90% of mass")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 (or -1) to keep every token, or a positive count, "
+                             f"got {self.top_k}")
+        _check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}: "
+                             "use 0 to turn it off, e.g. 0.05 to drop tokens 20x less likely than the best")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not -2**63 <= self.seed < 2**64:
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}: "
+                                 "ask for 1 or more tokens (None means up to max_model_len)")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}: "
+                             "lower min_tokens or raise max_tokens")
+        for stop_string in self.stop:
+            if not isinstance(stop_string, str):
+                raise TypeError(f"stop must be a string or a list of strings, got an item "
+                                f"{stop_string!r} of type {type(stop_string).__name__}")
+            if stop_string == "":
+                raise ValueError("stop contains an empty string, which would stop at once: "
+                                 "remove it (stop=None means no stop strings)")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids item", token_id)
+            if token_id < 0:
+                raise ValueError(f"stop_token_ids must be token ids >= 0, got {token_id}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                raise ValueError(f"logprobs must be >= 0 (how many top tokens to return), "
+                                 f"got {self.logprobs}: use None for no logprobs")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"SamplingParams({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SamplingParams):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in self.__slots__)
+
+
+def _as_list(name: str, value: object, item_type: type) -> list:
+    """None -> [], one item -> [item], a list or tuple -> a list copy."""
+    if value is None:
+        return []
+    if isinstance(value, item_type) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise TypeError(f"{name} must be a {item_type.__name__} or a list of them, "
+                    f"got {value!r} of type {type(value).__name__}")
+
+
+def _check_int(name: str, value: object) -> None:
+    # bool is a subclass of int in Python, but seed=True is a mistake, not a seed.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} of type {type(value).__name__}")
+
+
+def _unknown_kwargs_message(unknown_kwargs: dict) -> str:
+    name = next(iter(unknown_kwargs))
+    if name in VLLM_ONLY_OPTIONS:
+        hint = "a vLLM option that microvllm does not implement: remove it"
+    else:
+        close = difflib.get_close_matches(name, SamplingParams.__slots__, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "check the spelling"
+    return (f"SamplingParams got an unknown argument {name!r} ({hint}). "
+            f"Valid arguments: {', '.join(SamplingParams.__slots__)}")
