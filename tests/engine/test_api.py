@@ -127,6 +127,7 @@ def test_engine_step_loop_and_abort(llm):
 def test_trace_round_trips_through_json(llm):
     trace = llm.trace
     assert len(trace) > 0
+    trace.check_consistency()  # ref counts = block-table entries, free iff ref 0, budget kept
     again = Trace.from_json(trace.to_json())
     assert again.to_json() == trace.to_json()
     step = trace.steps[0]

@@ -1,0 +1,34 @@
+"""``show_source(obj)``: display the real source of a package function or class in a
+notebook, so lectures explain the code the engine runs instead of a pasted copy."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+
+def source_of(obj, *, start: str | None = None, end: str | None = None) -> str:
+    """The source of ``obj``; with ``start``/``end``, only the lines from the first line
+    containing ``start`` up to and including the first later line containing ``end``."""
+    source = textwrap.dedent(inspect.getsource(obj))
+    if start is None and end is None:
+        return source
+    lines = source.splitlines()
+    first = next((i for i, line in enumerate(lines) if start is None or start in line), None)
+    if first is None:
+        raise ValueError(f"{start!r} does not occur in the source of {obj.__qualname__}")
+    last = next((i for i in range(first, len(lines)) if end is not None and end in lines[i]),
+                len(lines) - 1)
+    return textwrap.dedent("\n".join(lines[first:last + 1])) + "\n"
+
+
+def show_source(obj, *, start: str | None = None, end: str | None = None):
+    """Display the source as a highlighted Markdown code block (plain text elsewhere),
+    headed by the file and line it lives at."""
+    from IPython.display import Markdown
+
+    path = inspect.getsourcefile(obj) or "?"
+    short = path[path.rfind("microvllm/"):] if "microvllm/" in path else path
+    line = inspect.getsourcelines(obj)[1]
+    code = source_of(obj, start=start, end=end)
+    return Markdown(f"`{short}:{line}` — `{obj.__qualname__}`\n\n```python\n{code}```")

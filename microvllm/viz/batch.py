@@ -1,0 +1,92 @@
+"""The batch of one step: who got how many of the step's token budget.
+
+    tokens  0        10        20        30 |budget 32
+    r0      [##########]                    prefill 10 (new, +8 cached)
+    r1                 [.]                  decode 1
+    r2                  [#########]         prefill 9 (chunk)
+    r3      ✕ preempted
+
+The bars are stacked end to end, one row per scheduled request, so their total
+length is the step's scheduled tokens and the red line is the budget
+(max_num_batched_tokens). Prefill chunks are solid, decode tokens faint with a
+black outline. Bars carry gids `batch-<request>-<kind>`; the budget line is
+`budget`; markers `prefix-hits` and `preempted`; row labels `batch-labels`.
+"""
+
+from __future__ import annotations
+
+from matplotlib.axes import Axes
+from matplotlib.colors import to_rgba
+from matplotlib.figure import Figure
+from matplotlib.transforms import offset_copy
+
+from microvllm.trace import RequestStep, Trace
+from microvllm.viz import colors
+from microvllm.viz.canvas import figure_and_axes
+from microvllm.viz.cell_labels import add_cell_labels, label_width_points
+from microvllm.viz.summary import scheduled_before
+
+
+def describe_request_step(r: RequestStep, resumed: bool = False) -> str:
+    """'prefill 9 (new, +8 cached)' / 'decode 1' — the row label."""
+    notes = []
+    if r.is_new:
+        notes.append("resumed" if resumed else "new")
+    if r.prefix_hit_tokens:
+        notes.append(f"+{r.prefix_hit_tokens} cached")
+    total = r.num_computed_tokens_before + r.num_scheduled_tokens
+    if r.kind == "prefill" and not r.is_new and r.num_computed_tokens_before > 0:
+        notes.append("next chunk")
+    if r.kind == "prefill" and total < r.num_prompt_tokens:
+        notes.append(f"{total}/{r.num_prompt_tokens} of prompt")
+    return f"{r.kind} {r.num_scheduled_tokens}" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
+    """Draw step *index* `step`'s batch against its token budget."""
+    s = trace[step]
+    rows = len(s.scheduled) + len(s.preempted)
+    standalone = ax is None
+    fig, ax = figure_and_axes(ax, (8, 1.6 + 0.35 * max(1, rows)), layout=None)
+    palette = colors.request_colors(trace)
+    seen_before = scheduled_before(trace, step)
+    widths = [r.num_scheduled_tokens for r in s.scheduled]
+    lefts = [sum(widths[:k]) for k in range(len(widths))]
+    faces = [to_rgba(palette.get(r.request_id, colors.UNKNOWN_COLOR), colors.DECODE_ALPHA if r.kind == "decode"
+                     else 1.0) for r in s.scheduled]
+    bars = ax.barh(range(len(widths)), widths, left=lefts, height=0.7, color=faces, linewidth=0.5,
+                   edgecolor=["black" if r.kind == "decode" else face for r, face in zip(s.scheduled, faces)])
+    for bar, r in zip(bars, s.scheduled):
+        bar.set_gid(f"batch-{r.request_id}-{r.kind}")
+    hits = [(left, y) for y, (left, r) in enumerate(zip(lefts, s.scheduled)) if r.prefix_hit_tokens]
+    ax.plot([x for x, _ in hits], [y for _, y in hits], marker="*", markersize=12, color="#f5b800",
+            markeredgecolor="black", linestyle="none", clip_on=False, gid="prefix-hits")
+    first = len(s.scheduled)
+    ax.plot([0] * len(s.preempted), range(first, first + len(s.preempted)), marker="X", markersize=10,
+            color=colors.PREEMPT_COLOR, linestyle="none", clip_on=False, gid="preempted")
+    labels = [f"{r.request_id}: {describe_request_step(r, r.request_id in seen_before)}" for r in s.scheduled]
+    labels += [f"{rid}: preempted (blocks freed, re-queued)" for rid in s.preempted]
+    if standalone:                                  # leave room on the left for the labels
+        width, height = fig.get_size_inches()
+        names = (label_width_points(labels, 8) + 12) / 72
+        fig.subplots_adjust(left=min(0.6, names / width), right=0.96, top=1 - 0.55 / height, bottom=0.55 / height)
+    row_height = ax.get_position().height * fig.get_figheight() * 72 / (max(rows, 1) + 0.4)   # in points
+    left_of_axes = offset_copy(ax.get_yaxis_transform(), fig=fig, x=-9, units="points")
+    add_cell_labels(ax, [(0, y) for y in range(rows)], labels, min(8, 0.75 * row_height), "black",
+                    "batch-labels", align="right", transform=left_of_axes, clip=False)
+    start = sum(widths)
+    ax.axvline(s.token_budget, color=colors.BUDGET_COLOR, linestyle="--", linewidth=1.5, gid="budget")
+    ax.text(s.token_budget, 1.0, f"budget {s.token_budget}", color=colors.BUDGET_COLOR, fontsize=8,
+            va="bottom", ha="right", transform=ax.get_xaxis_transform())
+    ax.set_yticks([])
+    ax.set_ylim(max(rows, 1) - 0.4, -0.8)
+    ax.set_xlim(0, max(s.token_budget, start) * 1.04)
+    ax.set_xlabel("tokens in this step", fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    for spine in ("top", "right"):
+        ax.spines[spine].set_visible(False)
+    ax.set_title(f"Batch of step {s.step}: {start}/{s.token_budget} tokens · "
+                 f"{len(s.scheduled)}/{s.max_num_seqs} seqs · {len(s.waiting)} waiting", fontsize=9, pad=14)
+    if not rows:
+        ax.text(0.5, 0.5, "nothing scheduled", ha="center", va="center", transform=ax.transAxes, color="#666666")
+    return fig

@@ -1,0 +1,91 @@
+"""Each running request's block table: logical block index -> physical block id.
+
+    logical block   0    1    2    3
+    r0            [ 1 ][ 2 ][ 7 ][ 9 ]     cell colour = the request, number = physical block
+    r1            [ 1 ][ 2 ][ 4 ]          blocks 1, 2 shared with r0 (prefix hit): thick edge
+    r2 · sliding  [nul][nul][ 5 ][ 6 ]     outside the window: released, now the null block 0
+
+One row per request, and per cache group when the model has several. Cells form
+two collections, gids `tables-cells` and `tables-null` (row y, column j = logical
+block j of the y-th (request, group) row); the physical ids are one label
+collection, gid `tables-ids`; the row names `tables-rows` (see `cell_labels`).
+"""
+
+from __future__ import annotations
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.transforms import offset_copy
+from matplotlib.collections import PolyCollection
+
+from microvllm.trace import Trace
+from microvllm.viz import colors
+from microvllm.viz.canvas import figure_and_axes
+from microvllm.viz.cell_labels import add_cell_labels, label_width_points
+
+
+def plot_block_tables(trace: Trace, step: int, ax: Axes | None = None, *, max_rows: int = 24) -> Figure:
+    """Draw every running request's block table(s) at the end of step *index* `step`.
+
+    At most `max_rows` rows are drawn (the title says how many were left out).
+    """
+    s = trace[step]
+    groups = trace.kv_cache_groups
+    all_rows = [(rid, g) for rid in s.block_tables for g in range(len(groups))]
+    rows = all_rows[:max_rows]
+    width = max((len(s.block_tables[rid][g]) for rid, g in rows), default=1) or 1
+    columns = max(width, 12)                       # short tables keep readable, not huge, cells
+    fig, ax = figure_and_axes(ax, (min(14, 2.5 + 0.5 * columns), 1.0 + 0.4 * max(1, len(rows))))
+    palette = colors.request_colors(trace)
+    bbox = ax.get_position()
+    cell_h = bbox.height * fig.get_figheight() * 72 / max(1, len(rows))    # in points
+    name = (lambda rid, g: rid) if len(groups) == 1 else (lambda rid, g: f"{rid} · {groups[g]}")
+    row_names, name_size = [name(rid, g) for rid, g in rows], min(8.5, 0.7 * cell_h)
+    names_pt = label_width_points(row_names, name_size) + 8                  # room left of the cells
+    cell_w = (bbox.width * fig.get_figwidth() * 72 - names_pt) / columns
+    fontsize = min(10, 0.5 * cell_h, cell_w / (0.7 * len(str(trace.num_blocks - 1))))
+    cells, faces, edges, widths, nulls = [], [], [], [], []
+    centres, labels, inks = [], [], []
+    for y, (rid, g) in enumerate(rows):
+        for j, block in enumerate(s.block_tables[rid][g]):
+            if block == trace.null_block_id:
+                nulls.append(_cell(j, y, 0))
+                centres.append((j + 0.5, y + 0.5))
+                labels.append("∅")
+                inks.append("white")
+                continue
+            shared = s.ref_cnts[block] > 1
+            face = palette.get(rid, colors.UNKNOWN_COLOR)
+            cells.append(_cell(j, y, 0.05))
+            faces.append(face)
+            edges.append("black" if shared else "white")
+            widths.append(2.2 if shared else 0.5)
+            centres.append((j + 0.5, y + 0.5))
+            labels.append(str(block))
+            inks.append(colors.text_color_on(face))
+    ax.add_collection(PolyCollection(cells, facecolors=faces, edgecolors=edges, linewidths=widths,
+                                     gid="tables-cells"), autolim=False)
+    ax.add_collection(PolyCollection(nulls, facecolors=colors.NULL_COLOR, edgecolors="white",
+                                     gid="tables-null"), autolim=False)
+    add_cell_labels(ax, centres, labels, fontsize, inks, "tables-ids")
+    if not rows:
+        ax.text(0.5, 0.5, "no running requests", ha="center", va="center", transform=ax.transAxes, color="#666666")
+    ax.set_xlim(-names_pt / cell_w, columns)
+    ax.set_ylim(max(1, len(rows)), 0)
+    ax.set_axis_off()
+    add_cell_labels(ax, [(-4 / cell_w, y + 0.5) for y in range(len(rows))], row_names, name_size, "black",
+                    "tables-rows", align="right", clip=False)
+    every = max(1, width // 16)
+    above = offset_copy(ax.get_xaxis_transform(), fig=fig, y=7, units="points")  # x: data, y: just above
+    add_cell_labels(ax, [(j + 0.5, 1.0) for j in range(0, width, every)], [str(j) for j in range(0, width, every)],
+                    7, "#444444", "tables-columns", transform=above, clip=False)
+    window = f" · ∅ = left the {trace.sliding_window}-token window (null block)" if trace.sliding_window else ""
+    hidden = f" · {len(all_rows) - len(rows)} more rows not shown" if len(all_rows) > len(rows) else ""
+    ax.set_title(f"Block tables after step {s.step}{hidden}\nlogical block → physical block · "
+                 f"thick edge = shared{window}", fontsize=9, pad=16)
+    return fig
+
+
+def _cell(j: int, y: int, inset: float) -> list[tuple[float, float]]:
+    return [(j + inset, y + inset), (j + 1 - inset, y + inset), (j + 1 - inset, y + 1 - inset),
+            (j + inset, y + 1 - inset)]

@@ -1,0 +1,93 @@
+"""The whole run at a glance: tokens per step by request, prefill vs decode.
+
+    tokens                                         free blocks (grey line, right axis)
+      32 - - - - - - - - - - - - - - - - - budget
+         ██ ▓▓             v (preempted)
+         ██ ▓▓ ▒ ▒ ▒ ▒ ▒ ▒ ▒ ▒ ...
+         step 0  1  2  ...
+
+One column per step, stacked by request in schedule order: solid = prefill
+tokens, faint = decode tokens; the colour is the request's. Gids: collections
+`timeline-prefill` and `timeline-decode` (one rectangle per request and step),
+lines `budget`, `free-blocks`, `preemptions`, `cursor` (the selected step).
+"""
+
+from __future__ import annotations
+
+from matplotlib.axes import Axes
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
+
+from microvllm.trace import Trace
+from microvllm.viz import colors
+from microvllm.viz.canvas import figure_and_axes
+
+
+def plot_timeline(trace: Trace, step: int | None = None, ax: Axes | None = None, *,
+                  legend: bool = True) -> Figure:
+    """Draw every step; mark step *index* `step` with a cursor line if given."""
+    fig, ax = figure_and_axes(ax, (12, 3.4))
+    palette = colors.request_colors(trace)
+    xs = [s.step for s in trace]
+    bars: dict[str, tuple[list, list]] = {"prefill": ([], []), "decode": ([], [])}
+    for s in trace:                       # one rectangle per (step, request), stacked
+        bottom = 0
+        for r in s.scheduled:
+            top = bottom + r.num_scheduled_tokens
+            x0, x1 = s.step - 0.4, s.step + 0.4
+            polygons, faces = bars[r.kind]
+            polygons.append([(x0, bottom), (x1, bottom), (x1, top), (x0, top)])
+            faces.append(palette.get(r.request_id, colors.UNKNOWN_COLOR))
+            bottom = top
+    for kind, (polygons, faces) in bars.items():   # two collections: fast to draw for long runs
+        ax.add_collection(PolyCollection(polygons, facecolors=faces, edgecolors="none",
+                                         alpha=colors.DECODE_ALPHA if kind == "decode" else 1.0,
+                                         gid=f"timeline-{kind}"), autolim=False)
+    budgets = [s.token_budget for s in trace]
+    peak = max([s.num_scheduled_tokens for s in trace] + budgets + [1])
+    ax.step(xs, budgets, where="mid", color=colors.BUDGET_COLOR, linestyle="--", linewidth=1.2, gid="budget")
+    preempted = [s for s in trace if s.preempted]
+    ax.plot([s.step for s in preempted], [peak * 1.06] * len(preempted), linestyle="none", marker="v",
+            color=colors.PREEMPT_COLOR, markersize=7, clip_on=False, gid="preemptions")
+    free_axis = ax.twinx()
+    free_axis.plot(xs, [s.num_free_blocks for s in trace], color="#777777", linewidth=1.2, gid="free-blocks")
+    free_axis.set_ylim(0, trace.num_blocks)
+    free_axis.set_ylabel("free blocks", fontsize=8, color="#777777")
+    free_axis.tick_params(labelsize=7, colors="#777777")
+    ax.axvline(xs[step] if step is not None and xs else 0, color="black", linewidth=1.5, alpha=0.8,
+               visible=step is not None and bool(xs), gid="cursor")
+    ax.set_xlim((xs[0] if xs else 0) - 0.6, (xs[-1] if xs else 0) + 0.6)
+    ax.set_ylim(0, peak * 1.12)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("engine step", fontsize=8)
+    ax.set_ylabel("tokens scheduled", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.set_title(f"Timeline: {len(trace)} steps · {len(preempted)} with preemptions (▼) · "
+                 f"budget {trace.max_num_batched_tokens} tokens (dashed) · free blocks (grey, right)", fontsize=9)
+    if legend:
+        _legend(ax, trace, palette)
+    return fig
+
+
+def move_cursor(fig_or_ax, trace: Trace, step: int) -> None:
+    """Put the timeline's cursor on step *index* `step` (no redraw of the bars)."""
+    axes = fig_or_ax.axes if isinstance(fig_or_ax, Figure) else [fig_or_ax]
+    for ax in axes:
+        for line in ax.lines:
+            if line.get_gid() == "cursor":
+                line.set_xdata([trace[step].step] * 2)
+                line.set_visible(True)
+
+
+def _legend(ax: Axes, trace: Trace, palette: dict[str, str]) -> None:
+    handles = [Patch(facecolor="#888888", label="prefill (solid)"),
+               Patch(facecolor="#888888", alpha=colors.DECODE_ALPHA, label="decode (faint)"),
+               Line2D([], [], color=colors.BUDGET_COLOR, linestyle="--", label="token budget"),
+               Line2D([], [], color="#777777", label="free blocks")]
+    requests = trace.request_ids()
+    if len(requests) <= 10:
+        handles += [Patch(facecolor=palette[rid], label=rid) for rid in requests]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.05, 1), fontsize=7, frameon=False)

@@ -1,0 +1,60 @@
+"""The demo traces show what they claim to show (they are the plots' fixtures)."""
+
+import pytest
+
+from microvllm.viz.demo import demo_trace, large_demo_trace
+
+
+def test_prefix_trace_shares_blocks_and_hits_cached_free_blocks():
+    trace = demo_trace("prefix")
+    hits = {r.request_id: (s.step, r.prefix_hit_tokens) for s in trace for r in s.scheduled if r.prefix_hit_tokens}
+    assert set(hits) == {"r1", "r3"}
+    assert max(max(s.ref_cnts) for s in trace) == 2                  # r0 and r1 share their prefix
+    step_r3 = hits["r3"][0]
+    before = trace[step_r3 - 1]                                       # r3's hit came from free, cached blocks
+    hit_blocks = trace[step_r3].block_tables["r3"][0][: hits["r3"][1] // trace.block_size]
+    assert all(before.free[b] and before.block_hashes[b] for b in hit_blocks)
+    assert {rid: why for s in trace for rid, why in s.finish_reasons.items()} == {
+        "r0": "length", "r1": "stop", "r2": "length", "r3": "length"}
+    assert all(s.scheduled for s in trace)                            # no idle steps
+
+
+def test_preemption_trace_preempts_then_resumes_with_cache_hits():
+    trace = demo_trace("preemption")
+    preempted = [(i, rid) for i, s in enumerate(trace) for rid in s.preempted]
+    assert preempted == [(4, "r2"), (11, "r1")]
+    assert min(s.num_free_blocks for s in trace) == 0
+    for i, rid in preempted:
+        assert rid in trace[i].waiting and rid not in trace[i].block_tables
+        resumed = next(r for s in trace.steps[i + 1:] for r in s.scheduled if r.request_id == rid)
+        assert resumed.is_new and resumed.kind == "prefill" and resumed.prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_sliding_window_trace_releases_blocks_to_the_null_block(hybrid):
+    trace = demo_trace("sliding_window", hybrid=hybrid)
+    group = trace.kv_cache_groups.index("sliding_window")
+    nulls = [t[group].count(0) for s in trace for t in s.block_tables.values()]
+    assert max(nulls) >= 2
+    if hybrid:                                                        # full attention keeps every block
+        assert all(0 not in t[0] for s in trace for t in s.block_tables.values())
+    assert any(s.free[b] and s.block_hashes[b] for s in trace for b in range(trace.num_blocks))
+
+
+def test_chunked_trace_splits_a_long_prompt_and_mixes_prefill_with_decode():
+    trace = demo_trace("chunked")
+    chunks = [r for s in trace for r in s.scheduled if r.request_id == "r1" and r.kind == "prefill"]
+    assert len(chunks) >= 3 and sum(r.num_scheduled_tokens for r in chunks) == chunks[0].num_prompt_tokens
+    assert any({r.kind for r in s.scheduled} == {"prefill", "decode"} for s in trace)
+    assert any(s.num_scheduled_tokens == s.token_budget for s in trace)
+
+
+def test_large_trace_has_hundreds_of_steps_and_blocks():
+    trace = large_demo_trace()
+    trace.check_consistency()
+    assert len(trace) >= 200 and trace.num_blocks >= 200 and trace.preemption_steps()
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="choose one of"):
+        demo_trace("beam_search")
