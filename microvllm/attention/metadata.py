@@ -25,7 +25,7 @@ token ``t``'s new key/value is written: ``block_id * block_size + offset``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,13 @@ class AttentionMetadata:
     """Host copy of ``query_start_loc`` for code that loops over requests in Python."""
     seq_lens_cpu: list[int] | None = None
     """Host copy of ``seq_lens``."""
+    num_decodes: int | None = None
+    """If set, requests ``0 .. num_decodes-1`` are decodes (one query token each) and
+    come first; the runner orders the batch that way so backends can treat them as one
+    block of rows. None: no promise about the order."""
+    per_step: dict = field(default_factory=dict, repr=False)
+    """Scratch space for values a backend derives from this metadata once per step and
+    reuses in every layer (e.g. the decode mask). Rebuilt with the metadata each step."""
 
     @property
     def num_reqs(self) -> int:

@@ -25,22 +25,27 @@ from microvllm.attention.metadata import AttentionMetadata
 from microvllm.attention.torch_ref import attention_mask, gather_context, write_kv_torch
 
 
-def _decode_batch(query, kv_cache, block_table, seq_lens, scale, sliding_window):
-    """``query [B, heads, d]`` each attending over its own context: one SDPA call."""
-    block_size = kv_cache.shape[2]
+def decode_layout(block_table, seq_lens, block_size: int, sliding_window: int | None):
+    """What every layer's decode attention shares in one step: which pages to gather
+    (``table [B, nb]``), how long the padded context is, and the visibility mask."""
     max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    table = block_table[:, :num_blocks].long()
-    keys = kv_cache[0][table].flatten(1, 2)[:, :max_len]      # [B, S, kv_heads, d]
-    values = kv_cache[1][table].flatten(1, 2)[:, :max_len]
+    table = block_table[:, :-(-max_len // block_size)].long()
     k_pos = torch.arange(max_len)[None, :]
     last = (seq_lens.long() - 1)[:, None]                      # the query's own position
     visible = k_pos <= last
     if sliding_window is not None:
         visible &= k_pos > last - sliding_window
+    return table, max_len, visible[:, None, None, :]
+
+
+def _decode_batch(query, kv_cache, layout, scale):
+    """``query [B, heads, d]`` each attending over its own context: one SDPA call."""
+    table, max_len, mask = layout
+    keys = kv_cache[0][table].flatten(1, 2)[:, :max_len]      # [B, S, kv_heads, d]
+    values = kv_cache[1][table].flatten(1, 2)[:, :max_len]
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
+        attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
@@ -60,12 +65,24 @@ def paged_attention_sdpa(query, kv_cache, metadata: AttentionMetadata, *, scale:
     seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
     query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
     out = torch.zeros_like(query)
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
-    if decodes:
-        rows = torch.tensor([qsl[i] for i in decodes])
-        index = torch.tensor(decodes)
-        out[rows] = _decode_batch(query[rows], kv_cache, metadata.block_table[index],
-                                  metadata.seq_lens[index], scale, sliding_window)
+    block_size = kv_cache.shape[2]
+    if metadata.num_decodes is not None:  # decodes come first: rows 0 .. num_decodes-1
+        num_decodes = metadata.num_decodes
+        if num_decodes:
+            key = ("decode_layout", sliding_window)
+            if key not in metadata.per_step:  # computed by the first layer, reused by the rest
+                metadata.per_step[key] = decode_layout(
+                    metadata.block_table[:num_decodes], metadata.seq_lens[:num_decodes],
+                    block_size, sliding_window)
+            out[:num_decodes] = _decode_batch(query[:num_decodes], kv_cache,
+                                              metadata.per_step[key], scale)
+    else:  # no ordering promised: pick the decode rows out
+        decodes = [i for i, n in enumerate(query_lens) if n == 1]
+        if decodes:
+            rows, index = torch.tensor([qsl[i] for i in decodes]), torch.tensor(decodes)
+            layout = decode_layout(metadata.block_table[index], metadata.seq_lens[index],
+                                   block_size, sliding_window)
+            out[rows] = _decode_batch(query[rows], kv_cache, layout, scale)
     for i, n in enumerate(query_lens):
         if n > 1:
             out[qsl[i]:qsl[i + 1]] = _prefill_one(query[qsl[i]:qsl[i + 1]], kv_cache,

@@ -99,6 +99,10 @@ class ModelRunner:
     def _prepare_inputs(self, plan):
         req_ids = [r.req_id for r in plan.scheduled_new_reqs] + \
                   [r.req_id for r in plan.scheduled_cached_reqs]
+        # Decodes first (as vLLM's reorder_batch does): their rows are then one
+        # contiguous slice that attention can treat as a single batch.
+        req_ids.sort(key=lambda r: plan.num_scheduled_tokens[r] != 1)
+        num_decodes = sum(1 for r in req_ids if plan.num_scheduled_tokens[r] == 1)
         num_scheduled = [plan.num_scheduled_tokens[r] for r in req_ids]
         states = [self.requests[r] for r in req_ids]
         num_tokens = sum(num_scheduled)
@@ -128,7 +132,7 @@ class ModelRunner:
                 max_seq_len=max(seq_lens_cpu), query_start_loc=query_start_loc, seq_lens=seq_lens,
                 block_table=batch_table,
                 slot_mapping=table.slot_mapping(batch_table, request_index, positions),
-                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu))
+                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu, num_decodes=num_decodes))
 
         # Only requests whose chunk reaches their last known token sample a new one.
         sampling = [i for i, (s, n) in enumerate(zip(seq_lens_cpu, states)) if s == len(n.token_ids)]
