@@ -1,0 +1,202 @@
+"""What a step of the engine must cost at least, from the model's shapes alone.
+
+Two limits bound any forward pass on this machine:
+
+    compute   FLOPs / the rate of one large matrix product          (matmul_rate)
+    memory    bytes that must be read / the rate of one large copy  (copy_bandwidth)
+
+FLOPs of a step (every matrix product, multiply-add = 2 FLOPs)::
+
+    2 x body parameters x tokens processed       every linear layer of every layer
+  + 2 x vocab x hidden  x rows that get logits   lm_head, only where a token is sampled
+  + 4 x heads x head_dim x visible (query, key) pairs x layers      QK^T and PV
+
+Bytes a step must read: the weights once (body + lm_head), plus, for every request
+in the batch, the K and V of every position it attends to, in every layer.
+
+The step's floor is max(compute, memory): a step can overlap the two, never beat
+either. Python, kernel launches, small ops and cache misses all come on top.
+``StepCost`` is what `microvllm bench throughput` sums over a recorded trace.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDING_NAMES = ("embed_tokens.weight", "lm_head.weight", "wte.weight")
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """The shapes that price a forward pass, read from a Hugging Face folder."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    body_params: int          # every parameter except the input embedding and lm_head
+    embedding_params: int     # input embedding (the lm_head too when tied)
+    lm_head_params: int       # vocab x hidden, tied or not
+    element_size: int         # bytes per weight / KV element in the run's dtype
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype) -> "ModelCost":
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        body = embedding = 0
+        for shape_name, numel in _safetensors_numels(folder):
+            if shape_name.endswith(EMBEDDING_NAMES):
+                embedding += numel
+            else:
+                body += numel
+        return cls(num_layers=config["num_hidden_layers"], num_heads=heads,
+                   num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
+                   hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
+                   body_params=body, embedding_params=embedding,
+                   lm_head_params=config["vocab_size"] * config["hidden_size"],
+                   element_size=torch.finfo(dtype).bits // 8,
+                   sliding_window=config.get("sliding_window"))
+
+    @property
+    def num_params(self) -> int:
+        return self.body_params + self.embedding_params
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weights a step reads in full: the body and lm_head (embedding rows are a lookup)."""
+        return (self.body_params + self.lm_head_params) * self.element_size
+
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+
+    def visible_pairs(self, query_len: int, context_len: int) -> int:
+        """(query, key) pairs a chunk of ``query_len`` tokens ending at ``context_len`` attends
+        to: query row at position p sees keys 0..p, or the last ``sliding_window`` of them."""
+        first, last = context_len - query_len + 1, context_len       # keys seen by each row
+        window = self.sliding_window
+        if window is None or last <= window:
+            return (first + last) * query_len // 2
+        below = max(0, min(last, window) - first + 1)                # rows not yet capped
+        return ((first + first + below - 1) * below // 2 if below else 0) + window * (query_len - below)
+
+    def attention_flops(self, query_len: int, context_len: int) -> float:
+        return 4.0 * self.num_heads * self.head_dim * self.num_layers * \
+            self.visible_pairs(query_len, context_len)
+
+    def step_cost(self, chunks: list[tuple[int, int]], num_logit_rows: int) -> "StepCost":
+        """``chunks``: (tokens computed this step, tokens computed before) per request."""
+        tokens = sum(q for q, _ in chunks)
+        linear = 2.0 * self.body_params * tokens + 2.0 * self.lm_head_params * num_logit_rows
+        attention = sum(self.attention_flops(q, before + q) for q, before in chunks)
+        window = self.sliding_window
+        attended = sum(min(before + q, window) if window else before + q for q, before in chunks)
+        weights = self.weight_bytes if num_logit_rows else self.body_params * self.element_size
+        return StepCost(tokens=tokens, logit_rows=num_logit_rows, linear_flops=linear,
+                        attention_flops=attention,
+                        bytes_read=weights + attended * self.kv_bytes_per_token())
+
+
+@dataclass
+class StepCost:
+    tokens: int
+    logit_rows: int
+    linear_flops: float
+    attention_flops: float
+    bytes_read: float
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops
+
+    def floor_s(self, flop_rate: float, bandwidth: float) -> float:
+        return max(self.flops / flop_rate, self.bytes_read / bandwidth)
+
+    def compute_bound(self, flop_rate: float, bandwidth: float) -> bool:
+        return self.flops / flop_rate >= self.bytes_read / bandwidth
+
+
+def trace_step_costs(trace, cost: ModelCost) -> list[StepCost]:
+    """One `StepCost` per recorded step of a ``Trace`` (``LLM(..., trace=True)``)."""
+    steps = []
+    for step in trace:
+        chunks = [(r.num_scheduled_tokens, r.num_computed_tokens_before) for r in step.scheduled]
+        logit_rows = sum(len(t) > 0 for t in step.new_tokens.values())
+        steps.append(cost.step_cost(chunks, logit_rows))
+    return steps
+
+
+def _safetensors_numels(folder: Path):
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors file")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                numel = 1
+                for d in f.get_slice(name).get_shape():
+                    numel *= d
+                yield name, numel
+
+
+# -------------------------------------------------------------- machine rates
+def cpu_description() -> str:
+    """The CPU model, its core count and which bfloat16 matmul units it has (Linux), e.g.
+    "Intel(R) Xeon(R) Processor @ 2.60GHz, 2 cores, bf16 units: AMX". Without AMX or
+    AVX512-BF16, bfloat16 matrix products are emulated and far slower than float32."""
+    import os
+
+    name, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown CPU":
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    units = [label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"))
+             if flag in flags]
+    bf16 = ", ".join(units) if units else ("none" if flags else "unknown")
+    return f"{name}, {os.cpu_count()} cores, bf16 units: {bf16}"
+
+
+def matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an ``n x n @ n x n`` product in ``dtype``, best of ``repeats`` (after a warm-up)."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / best
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s moved by one large copy (each byte read once and written once), best of
+    ``repeats``. A step that must *read* N bytes needs at least N / this."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * nbytes / best

@@ -1,0 +1,89 @@
+"""Smoke test of ``microvllm bench throughput --quick`` on a tiny random model.
+
+No timing is asserted (CI machines are noisy): only that every section runs and
+prints its lines, and that the greedy token ids of microvllm match Hugging Face's.
+"""
+
+import re
+
+import pytest
+
+from microvllm.bench import throughput
+from microvllm.bench.roofline import ModelCost
+from microvllm.models.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("bench") / "llama", "llama")
+
+
+def test_quick_prints_every_section(tiny_llama, capsys):
+    assert throughput.main(["--quick", "--threads", "1", "--model", str(tiny_llama)]) == 0
+    out = capsys.readouterr().out
+    for pattern in [
+        r"^machine: 1024\^3 matmul .*FLOP/s .* copy .*B/s",
+        r"^workload: 4 requests, prompts 16-48, outputs 8-16 \(seed 0\), float32, llama",
+        r"^\s+useful tok/s\s+total tok/s\s+wall s$",
+        r"^HF one at a time\s+skipped \(--quick\)$",
+        r"^HF static batch\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
+        r"^microvllm\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
+        r"^microvllm / HF static batch: [\d.]+x$",
+        r"^roofline: .* of work / .* measured = .*; microvllm at .*% of the matmul limit$",
+        r"^time floor: .* \(sum over \d+ steps of max\(compute, memory\); .*\); "
+        r"microvllm wall = [\d.]+ x the floor$",
+        r"^decode step: batch 1 = [\d.]+ ms \(floor .*\), batch 4 = [\d.]+ ms",
+        r"^prefix workload: 4 requests sharing a 64-token system prompt",
+        r"^prefix caching off\s+[\d,]+\s+[\d.]+\s+[\d.]+$",
+        r"^prefix caching on\s+[\d,]+\s+[\d.]+\s+[\d.]+$",
+    ]:
+        assert re.search(pattern, out, re.MULTILINE), f"no line matching {pattern!r} in:\n{out}"
+    # Tiny random weights give clear greedy winners: float32 ids must agree with HF.
+    assert "greedy token ids: 4/4 identical to HF static batch" in out
+    assert "token ids identical to caching off: 4/4" in out
+    # The shared 64-token prompt is 4 full blocks: requests after the first reuse them.
+    off = int(re.search(r"^prefix caching off\s+([\d,]+)", out, re.MULTILINE)[1].replace(",", ""))
+    on = int(re.search(r"^prefix caching on\s+([\d,]+)", out, re.MULTILINE)[1].replace(",", ""))
+    assert on < off
+
+
+def test_skip_hf_and_profile(tiny_llama, capsys):
+    argv = ["--quick", "--threads", "1", "--model", str(tiny_llama), "--workload", "random",
+            "--skip-hf", "--profile"]
+    assert throughput.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "HF static batch" in out and "skipped (--skip-hf)" in out
+    assert "not compared with HF (--skip-hf)" in out
+    assert "profile: 8 decode-only steps at batch 4" in out
+    assert "prefix workload" not in out
+
+
+def test_step_cost_counts_flops_and_bytes(tiny_llama):
+    import torch
+
+    cost = ModelCost.from_folder(tiny_llama, torch.float32)
+    # tiny llama: hidden 64, 2 layers, 4 heads of 16, 2 KV heads, vocab 512, untied lm_head
+    assert (cost.num_layers, cost.num_heads, cost.num_kv_heads, cost.head_dim) == (2, 4, 2, 16)
+    assert cost.lm_head_params == 512 * 64
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert cost.body_params == 2 * per_layer + 64
+    # A 3-token prefill from scratch + one decode at context 5 (4 cached tokens).
+    step = cost.step_cost([(3, 0), (1, 4)], num_logit_rows=2)
+    assert step.tokens == 4
+    assert step.linear_flops == 2 * cost.body_params * 4 + 2 * 512 * 64 * 2
+    assert step.attention_flops == 4 * 4 * 16 * 2 * ((1 + 2 + 3) + 5)
+    kv_per_token = 2 * 2 * 2 * 16 * 4
+    assert step.bytes_read == (cost.body_params + 512 * 64) * 4 + (3 + 5) * kv_per_token
+
+
+def test_sliding_window_pairs():
+    import dataclasses
+
+    base = ModelCost(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, hidden_size=1,
+                     vocab_size=1, body_params=0, embedding_params=0, lm_head_params=0,
+                     element_size=4)
+    windowed = dataclasses.replace(base, sliding_window=4)
+    for q, c in [(1, 1), (3, 3), (5, 10), (1, 10), (10, 10), (2, 4), (3, 6)]:
+        rows = range(c - q + 1, c + 1)           # keys seen by each query row, no window
+        assert base.visible_pairs(q, c) == sum(rows)
+        assert windowed.visible_pairs(q, c) == sum(min(k, 4) for k in rows)
