@@ -16,7 +16,7 @@ def source_of(obj, *, start: str | None = None, end: str | None = None) -> str:
     lines = source.splitlines()
     first = next((i for i, line in enumerate(lines) if start is None or start in line), None)
     if first is None:
-        raise ValueError(f"{start!r} does not occur in the source of {obj.__qualname__}")
+        raise ValueError(f"{start!r} does not occur in the source of {getattr(obj, '__name__', obj)}")
     last = next((i for i in range(first, len(lines)) if end is not None and end in lines[i]),
                 len(lines) - 1)
     return textwrap.dedent("\n".join(lines[first:last + 1])) + "\n"
@@ -29,6 +29,10 @@ def show_source(obj, *, start: str | None = None, end: str | None = None):
 
     path = inspect.getsourcefile(obj) or "?"
     short = path[path.rfind("microvllm/"):] if "microvllm/" in path else path
-    line = inspect.getsourcelines(obj)[1]
+    lines, first_line = inspect.getsourcelines(obj)
+    first_line = max(first_line, 1)  # a module reports line 0
     code = source_of(obj, start=start, end=end)
-    return Markdown(f"`{short}:{line}` — `{obj.__qualname__}`\n\n```python\n{code}```")
+    if start is not None:  # point at the snippet, not at the top of the object
+        first_line += next(i for i, line in enumerate(lines) if start in line)
+    name = getattr(obj, "__qualname__", getattr(obj, "__name__", ""))
+    return Markdown(f"`{short}:{first_line}` — `{name}`\n\n```python\n{code}```")

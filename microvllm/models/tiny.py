@@ -43,9 +43,17 @@ def make_tiny_model(folder: str | Path, arch: str = "llama", seed: int = 0, *,
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **overrides)
+    from transformers.utils import logging as hf_logging
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" on stderr would clutter notebooks
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(folder)
     if tokenizer:
         from microvllm.models.tiny_tokenizer import build_tiny_tokenizer
