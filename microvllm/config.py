@@ -31,11 +31,15 @@ class EngineConfig:
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     debug_invariants: bool = False
     """Call ``check_invariants()`` after every step (slow; for tests and the fuzzer)."""
+    components: dict[str, type] | None = None
+    """Replace engine components with your own classes, e.g. ``{"block_pool": MyBlockPool}``
+    (the course's exercises plug in here); the names are the keys of ``COMPONENTS``."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
+        _check_components(self.components)
         _positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, 8, 16, 32...)")
@@ -57,9 +61,22 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend={self.attention_backend!r} must be a backend name such as 'torch'")
+        from microvllm.attention import available_backends  # registers the built-in ones (no triton import)
+        if self.attention_backend not in available_backends():
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not known; "
+                             f"choose one of {available_backends()}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"seed={self.seed!r} must be an int")
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.max_model_len is not None and self.max_num_batched_tokens is not None:
+            self._check_chunking()  # else finalize() checks it, once the model is known
+
+    def _check_chunking(self) -> None:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len "
+                f"(a prompt is scheduled whole), but {self.max_num_batched_tokens} < {self.max_model_len}: "
+                "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
 
     def finalize(self, max_position_embeddings: int) -> None:
         """Fill the defaults that depend on the model, then check the combination."""
@@ -72,11 +89,40 @@ class EngineConfig:
             # Chunked prefill lets a small budget serve any prompt; without it the
             # whole longest prompt must fit in one step.
             self.max_num_batched_tokens = 1024 if self.enable_chunked_prefill else self.max_model_len
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len "
-                f"(a prompt is scheduled whole), but {self.max_num_batched_tokens} < {self.max_model_len}: "
-                "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
+        self._check_chunking()
+
+
+# What ``components=`` can replace, and where the engine builds each one.
+COMPONENTS = {
+    "detokenizer": "IncrementalDetokenizer, one per request (engine/output_processor.py)",
+    "block_pool": "BlockPool, the KV block allocator (core/kv_cache_manager.py)",
+    "kv_cache_manager": "KVCacheManager, the scheduler's door to the cache (engine/engine.py)",
+    "scheduler": "Scheduler (engine/engine.py)",
+    "model_runner": "ModelRunner (worker/worker.py)",
+    "block_table": "BlockTable, the runner's persistent block tables (worker/model_runner.py)",
+    "sampler": "Sampler (worker/model_runner.py)",
+}
+
+
+def _check_components(components) -> None:
+    if components is None:
+        return
+    if not isinstance(components, dict):
+        raise TypeError(f"components={components!r} must be a dict such as {{'block_pool': MyBlockPool}}")
+    for name, cls in components.items():
+        if name not in COMPONENTS:
+            raise ValueError(f"components has an unknown name {name!r}; the replaceable components "
+                             f"are: {', '.join(COMPONENTS)}")
+        if not isinstance(cls, type):
+            raise TypeError(f"components[{name!r}] must be a class (the one your exercise defines, "
+                            f"replacing the engine's {COMPONENTS[name]}), got {cls!r}")
+
+
+def component(config, name: str, default: type) -> type:
+    """The class to build for ``name``: ``config.components[name]`` if given, else ``default``."""
+    if name not in COMPONENTS:
+        raise KeyError(f"{name!r} is not a replaceable component: add it to COMPONENTS")
+    return (getattr(config, "components", None) or {}).get(name, default)
 
 
 def _positive_int(name: str, value) -> None:

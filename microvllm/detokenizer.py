@@ -152,6 +152,7 @@ class IncrementalDetokenizer:
 
     def _decode_next(self) -> str:
         """Text added by the tokens at read_offset.. ("" while a character is incomplete)."""
+        ### BEGIN SOLUTION
         tokens = self.output_token_ids
         prefix_text = self._decode(tokens[self.prefix_offset:self.read_offset])
         new_text = self._decode(tokens[self.prefix_offset:])
@@ -161,6 +162,7 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
         return new_text[len(prefix_text):]
+        ### END SOLUTION
 
     def _flush(self) -> str:
         """At the end, the held-back text is final even if it ends in "�"
@@ -193,6 +195,7 @@ def find_stop_string(output_text: str, new_char_count: int,
     on earlier steps, so the search starts ``len(stop_string) - 1`` characters before
     the new text: a stop string may straddle old and new ("Pa" + "ris").
     """
+    ### BEGIN SOLUTION
     if new_char_count <= 0 or not stop:
         return None
     best: tuple[str, int] | None = None
@@ -202,3 +205,4 @@ def find_stop_string(output_text: str, new_char_count: int,
         if index != -1 and (best is None or index < best[1]):
             best = (stop_string, index)
     return best
+    ### END SOLUTION

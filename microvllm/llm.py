@@ -11,6 +11,8 @@ are done — the same loop you can run by hand with ``llm.engine``.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
 import time
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  attention_backend: str = "torch", dtype: str = "float32", seed: int = 0,
                  trace: bool = False, **engine_options):
+        _check_engine_options(engine_options)
         config = EngineConfig(
             model=model, block_size=block_size, num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -52,11 +55,16 @@ class LLM:
         """Generate for one prompt or a list; results come back in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a dict such as {{'prompt_token_ids': [1, 2, 3]}}, "
+                            f"or a list of those; got {type(prompts).__name__}: {str(prompts)[:60]!r}")
         prompts = list(prompts)
         params = self._params_per_prompt(prompts, sampling_params)
         # Tokenize and validate every prompt before adding any, so a bad one leaves
         # nothing behind.
         processed = [self.engine.prompts.process(p) for p in prompts]
+        for index, (_, token_ids) in enumerate(processed):
+            self.engine.check_fits(f"prompts[{index}]", token_ids)
         request_ids = []
         try:
             for (text, token_ids), p in zip(processed, params):
@@ -76,14 +84,20 @@ class LLM:
         if sampling_params is None:
             return [SamplingParams()] * len(prompts)
         if isinstance(sampling_params, SamplingParams):
+            sampling_params.verify()  # a field may have been set after construction
             return [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}: use SamplingParams(temperature=0, ...)")
         sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params: "
                              "pass one SamplingParams, or a list with one per prompt")
         for p in sampling_params:
             if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params entries must be SamplingParams, got {type(p).__name__}")
+                raise TypeError(f"sampling_params entries must be SamplingParams, got {type(p).__name__}: "
+                                "use SamplingParams(temperature=0, ...)")
+            p.verify()  # a field may have been set after construction
         return sampling_params
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
@@ -137,6 +151,18 @@ class LLM:
         finally:
             if not done:  # the caller stopped early or something failed: free its blocks
                 self.engine.abort_request(request_id)
+
+
+def _check_engine_options(options: dict) -> None:
+    """Refuse an unknown keyword (often a vLLM-only one such as gpu_memory_utilization)
+    with a message that lists what LLM() accepts."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TypeError(f"LLM() got an unknown argument {unknown[0]!r} ({hint}a vLLM option microvllm "
+                        f"does not have, or a typo): remove it. Valid arguments: {', '.join(sorted(known))}")
 
 
 def _progress_bar(total: int):

@@ -140,6 +140,20 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be >= 0 (how many top tokens to return), "
                                  f"got {self.logprobs}: use None for no logprobs")
 
+    def clone(self, **changes) -> "SamplingParams":
+        """A validated copy, with ``changes`` applied (the engine gives each sample of an
+        ``n > 1`` request ``clone(n=1, seed=seed + index)``)."""
+        values = {name: getattr(self, name) for name in self.__slots__}
+        values = {**values, **changes}
+        for name in ("stop", "stop_token_ids"):  # copies, not shared lists
+            values[name] = list(values[name])
+        return SamplingParams(values.pop("n"), **values)
+
+    def verify(self) -> None:
+        """Check every value again: raises if one was set to something invalid after
+        construction (``params.temperature = -1``). The engine calls it at the door."""
+        self._verify()
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
         return f"SamplingParams({fields})"

@@ -70,6 +70,7 @@ class BlockPool:
         A popped block that still carries a hash is being reused for other
         tokens, so its prefix-cache entry is evicted first.
         """
+        ### BEGIN SOLUTION
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(
                 f"asked for {num_blocks} blocks but only {self.get_num_free_blocks()} are free: "
@@ -80,6 +81,7 @@ class BlockPool:
             self._maybe_evict_cached_block(block)
             block.ref_cnt = 1
         return blocks
+        ### END SOLUTION
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; those reaching 0 join the free queue's tail.
@@ -87,6 +89,7 @@ class BlockPool:
         Order matters: blocks appended first are evicted first. The hash is kept
         (the block stays a possible cache hit). O(len(blocks)).
         """
+        ### BEGIN SOLUTION
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -98,6 +101,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+        ### END SOLUTION
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits. O(len(blocks)).
@@ -105,12 +109,14 @@ class BlockPool:
         A hit that sat free in the queue (ref_cnt 0) is pulled out of it, so
         it can no longer be evicted; the O(1) ``remove`` is what makes this cheap.
         """
+        ### BEGIN SOLUTION
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+        ### END SOLUTION
 
     # ------------------------------------------------------------ prefix cache
 
@@ -152,6 +158,12 @@ class BlockPool:
             block.kv_cache_group_id = kv_cache_group_id
             key = (block_hash, kv_cache_group_id)
             self.cached_block_hash_to_block.setdefault(key, {})[block.block_id] = block
+
+    def evict_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the hashes of ``blocks``: no later request may hit them. O(len(blocks))."""
+        for block in blocks:
+            if not block.is_null:
+                self._maybe_evict_cached_block(block)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Forget ``block``'s hash (it is about to hold other tokens). O(1)."""

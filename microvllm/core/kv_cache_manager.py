@@ -62,7 +62,7 @@ class KVCacheManager:
     """Block tables of all requests, over all cache groups, on one shared BlockPool."""
 
     def __init__(self, kv_cache_groups: list[KVCacheSpec], num_blocks: int, block_size: int,
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, block_pool_class: type[BlockPool] = BlockPool) -> None:
         if not kv_cache_groups:
             raise ValueError("kv_cache_groups is empty: a model needs at least one cache group")
         for spec in kv_cache_groups:
@@ -74,7 +74,7 @@ class KVCacheManager:
         self.kv_cache_groups = list(kv_cache_groups)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = block_pool_class(num_blocks, enable_caching)
         self.single_type_managers: list[SingleTypeKVCacheManager] = [
             get_manager_for_kv_cache_spec(spec, self.block_pool, group_id)
             for group_id, spec in enumerate(self.kv_cache_groups)
@@ -98,6 +98,7 @@ class KVCacheManager:
         Blocks are not touched here; ``allocate_slots`` does that.
         Cost: O(groups * blocks of the request) per round, usually one round.
         """
+        ### BEGIN SOLUTION
         if not self.enable_caching:
             return self.create_empty_block_list(), 0
         hit_length = request.num_tokens - 1
@@ -111,6 +112,7 @@ class KVCacheManager:
             # hit cut shorter may need other blocks, so it is searched again.
             hit_length = shortest
         return KVCacheBlocks(tuple(hits)), shortest
+        ### END SOLUTION
 
     # --------------------------------------------------------------- allocate
 
@@ -118,12 +120,14 @@ class KVCacheManager:
                        new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens; return the NEW blocks, or None.
 
-            |<--------------------- num_tokens_need_slot ------------------->|
-            | computed | new computed (hit) |    new tokens    | empty slots |
-            |<- request.num_computed_tokens ->|
-                       |<- num_new_computed_tokens ->|
-                                            |<- num_new_tokens ->|
-            blocks:  [ held ..................][ hit blocks ][ new blocks ......]
+            | computed       | new computed   | new tokens     | empty |
+            | (KV in blocks) | (prefix hits)  | (this step)    | slots |
+            |<-------------->|<-------------->|<-------------->|
+              request.         num_new_         num_new_tokens
+              num_computed_    computed_tokens
+              tokens
+            |<------------ num_tokens_need_slot ------------->|
+            |<--- blocks held after the call (whole blocks) ---------->|
 
         - computed: tokens whose KV is already in the request's blocks;
         - new computed: prefix-cache hits (``get_computed_blocks``), admission only;
@@ -201,6 +205,10 @@ class KVCacheManager:
     def num_usable_blocks(self) -> int:
         return self.block_pool.num_usable_blocks
 
+    def forget_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take these blocks out of the prefix cache (their KV cannot be trusted). O(len(blocks))."""
+        self.block_pool.evict_cached_blocks(blocks)
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; False (no change) while any block is in use."""
         return self.block_pool.reset_prefix_cache()
@@ -215,6 +223,25 @@ class KVCacheManager:
         """Blocks a request holds (all groups) after allocating ``num_new_tokens``
         more slots past ``num_computed_tokens``. O(groups)."""
         return sum(spec.num_blocks_needed(num_computed_tokens, num_new_tokens) for spec in self.kv_cache_groups)
+
+    def num_blocks_to_start(self, num_prompt_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks (all groups) a request holds while its prompt is computed in
+        chunks of ``max_chunk_tokens`` (the step's token budget) and its first new token
+        is decoded: a pool with fewer usable blocks can never start it. O(groups * chunks).
+
+            prompt 10, budget 4:   [0..3]  [4..7]  [8, 9]  then decode token 10
+
+        With full attention this is just the blocks of ``num_prompt_tokens + 1`` tokens.
+        A sliding window frees old blocks between chunks, but one chunk's blocks are all
+        held at once, so a big budget can need more blocks than ``num_blocks_needed``.
+        """
+        chunks, start = [], 0
+        while start < num_prompt_tokens:
+            size = min(max_chunk_tokens, num_prompt_tokens - start)
+            chunks.append((start, size))
+            start += size
+        chunks.append((num_prompt_tokens, 1))
+        return max(self.num_blocks_needed_for_chunk(start, size) for start, size in chunks)
 
     def can_fit_ever(self, num_tokens: int) -> bool:
         """Could a request of ``num_tokens`` tokens run with the pool all to itself? O(groups)."""

@@ -87,11 +87,13 @@ def hash_block_tokens(
     two blocks with the same tokens at different places never collide.
     Cost: O(block_size).
     """
+    ### BEGIN SOLUTION
     parent = ROOT_BLOCK_HASH if parent_block_hash is None else parent_block_hash
     payload = bytes(parent) + struct.pack(f"<{len(token_ids)}q", *token_ids)
     if extra_keys:
         payload += b"|" + _encode_extra_keys(extra_keys)
     return BlockHash(hashlib.sha256(payload).digest())
+    ### END SOLUTION
 
 
 def hash_new_full_blocks(
@@ -194,11 +196,13 @@ class FreeKVCacheBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         """Take the least recently freed block. O(1)."""
+        ### BEGIN SOLUTION
         first = self.fake_free_list_head.next_free_block
         if first is self.fake_free_list_tail:
             raise ValueError("no free blocks left: popleft() on an empty free queue")
         self.remove(first)
         return first
+        ### END SOLUTION
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Take the ``n`` least recently freed blocks. O(n)."""
@@ -208,6 +212,7 @@ class FreeKVCacheBlockQueue:
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink ``block`` from anywhere in the queue. O(1)."""
+        ### BEGIN SOLUTION
         prev_block, next_block = block.prev_free_block, block.next_free_block
         if prev_block is None or next_block is None:
             raise ValueError(f"block {block.block_id} is not in the free queue, cannot remove it")
@@ -215,9 +220,11 @@ class FreeKVCacheBlockQueue:
         next_block.prev_free_block = prev_block
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
+        ### END SOLUTION
 
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the tail (most recently freed). O(1)."""
+        ### BEGIN SOLUTION
         if block.prev_free_block is not None:
             raise ValueError(f"block {block.block_id} is already in the free queue")
         last = self.fake_free_list_tail.prev_free_block
@@ -226,6 +233,7 @@ class FreeKVCacheBlockQueue:
         block.next_free_block = self.fake_free_list_tail
         self.fake_free_list_tail.prev_free_block = block
         self.num_free_blocks += 1
+        ### END SOLUTION
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Append each block in order. O(len(blocks))."""

@@ -25,6 +25,15 @@ One request's life:
                    recomputing prompt + outputs)     FINISHED_* (blocks freed, id in
                                                      the next finished_req_ids)
 
+The same request in numbers (prompt of 10 tokens, budget 4, max_tokens 3):
+
+    step                   1        2        3          4           5
+    tokens computed        0..3     4..7     8..9       10 (o0)     11 (o1)
+    num_computed_tokens    0 -> 4   4 -> 8   8 -> 10    10 -> 11    11 -> 12
+    sampled (update)       -        -        o0         o1          o2: max_tokens
+    num_tokens             10       10       10 -> 11   11 -> 12    12 -> 13, FINISHED
+                           (new)    (cached) (last chunk: logits for o0)
+
 Preemption is by recompute: the most recently admitted running request
 (``running[-1]``) gives up its blocks. In a step that preempted, no waiting
 request is admitted (it would just take the blocks back).
@@ -66,6 +75,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # FCFS; preempted ones go to the front
         self.running: list[Request] = []  # in admission order: running[-1] is preempted first
         self.finished_req_ids: set[str] = set()  # since the last schedule()
+        # The runner must drop its copy of these at the next step (see undo_failed_step).
+        self.reset_req_ids: set[str] = set()
 
     # ----------------------------------------------------------- requests in
 
@@ -113,6 +124,7 @@ class Scheduler:
         O(scheduled requests * their blocks). Raises PoolTooSmallError instead of
         returning an empty plan forever when the head request can never fit.
         """
+        ### BEGIN SOLUTION
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_blocks: dict[str, KVCacheBlocks] = {}
@@ -166,10 +178,13 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
 
+        if not num_scheduled_tokens and not preempted and self.running:
+            self._raise_stalled(self.running[0])
         if not num_scheduled_tokens and not preempted and self.waiting:
             self._raise_no_progress(self.waiting[0])
         return self._make_output(scheduled_new, scheduled_running, new_blocks,
                                  num_scheduled_tokens, preempted, prefix_hits)
+        ### END SOLUTION
 
     def _cap_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         """Tokens to compute: the rest of the request, within the budget and max_model_len."""
@@ -197,6 +212,16 @@ class Scheduler:
         raise RuntimeError(
             f"scheduler made no progress: request {request.request_id!r} ({request.num_tokens} tokens) "
             f"cannot be scheduled although nothing is running; this is a bug in the scheduler"
+        )
+
+    def _raise_stalled(self, request: Request) -> None:
+        """A running request with nothing left to compute: the step that computed its last
+        token never delivered the sampled one (e.g. Ctrl-C after the model ran). Without
+        a new token it would wait forever; say so instead of spinning."""
+        raise RuntimeError(
+            f"scheduler made no progress: running request {request.request_id!r} has all its "
+            f"{request.num_tokens} tokens computed but no new token to compute, because the step "
+            "that computed them did not finish (interrupted after the model ran?): abort its request"
         )
 
     def _make_output(self, scheduled_new: list[Request], scheduled_running: list[Request],
@@ -228,14 +253,48 @@ class Scheduler:
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            preempted_req_ids=frozenset(r.request_id for r in preempted),
+            preempted_req_ids=frozenset(r.request_id for r in preempted) | self.reset_req_ids,
             finished_req_ids=frozenset(self.finished_req_ids),
             num_prefix_hit_tokens=prefix_hits,
         )
         for request in (*scheduled_running, *scheduled_new):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
         self.finished_req_ids = set()
+        self.reset_req_ids = set()
         return output
+
+    def undo_failed_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The runner raised (or Ctrl-C stopped it) while computing this plan: put things
+        back so that the next step is safe, as if the plan's work had never been done.
+
+        None, some or all of the plan's KV may have been written, and the runner may or
+        may not have taken the plan into its own copy of the requests. So:
+
+        - every request of the plan is preempted (blocks freed, num_computed_tokens = 0,
+          its tokens kept): it is recomputed when scheduled again, nothing is lost;
+        - the blocks it was filling this step leave the prefix cache: ``allocate_slots``
+          registered them when the plan was made, trusting the runner to fill them::
+
+              request a  [ b3 | b8 | b1 ]   computing tokens 6..9 (B = 4)
+                                ^^^^^^^   from block 6 // 4 = 1 on: maybe unwritten
+
+        - the runner is told again, at the next step, to forget the plan's finished and
+          preempted requests, and now also its scheduled ones.
+        O(blocks of the plan's requests).
+        """
+        kv = self.kv_cache_manager
+        starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        starts.update((r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_cached_reqs)
+        scheduled = [r for r in self.running if r.request_id in starts]
+        maybe_unwritten = [block for r in scheduled
+                           for group in kv.get_blocks(r.request_id).blocks
+                           for block in group[starts[r.request_id] // kv.block_size:]]
+        self.running = [r for r in self.running if r.request_id not in starts]
+        for request in reversed(scheduled):  # newest first: the waiting queue keeps FCFS order
+            self._preempt(request)
+        kv.forget_cached_blocks(maybe_unwritten)
+        self.finished_req_ids |= scheduler_output.finished_req_ids
+        self.reset_req_ids |= scheduler_output.preempted_req_ids | starts.keys()
 
     # ---------------------------------------------------------- results in
 

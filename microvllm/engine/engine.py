@@ -4,6 +4,7 @@
     step():
         plan    = scheduler.schedule()                 who computes how many tokens
         sampled = executor.execute_model(plan)         one forward pass, then sampling
+                  (raises or Ctrl-C: scheduler.undo_failed_step(plan), then re-raise)
         core    = scheduler.update_from_output(plan, sampled)   append, stop checks, free
         outputs = output_processor.process(core)       detokenize, stop strings, n > 1
         trace.record(...)                              only when tracing is on
@@ -18,12 +19,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from microvllm.config import EngineConfig
+from microvllm.config import EngineConfig, component
+from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_manager import KVCacheManager, PoolTooSmallError
 from microvllm.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from microvllm.core.config import SchedulerConfig
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.scheduler import Scheduler
+from microvllm.detokenizer import IncrementalDetokenizer
 from microvllm.engine.output_processor import OutputProcessor
 from microvllm.engine.prompts import PromptProcessor
 from microvllm.engine.step_tracer import StepTracer
@@ -42,16 +45,19 @@ class Engine:
         layout = self.executor.kv_cache_layout
         specs = [SlidingWindowSpec(config.block_size, g.sliding_window) if g.sliding_window
                  else FullAttentionSpec(config.block_size) for g in layout.groups]
-        self.kv_cache_manager = KVCacheManager(specs, config.num_kv_blocks, config.block_size,
-                                               enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(
+        # component(): the class given in config.components (an exercise's), else the engine's.
+        self.kv_cache_manager = component(config, "kv_cache_manager", KVCacheManager)(
+            specs, config.num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            block_pool_class=component(config, "block_pool", BlockPool))
+        self.scheduler = component(config, "scheduler", Scheduler)(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=config.max_model_len,
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_cache_manager)
-        self.output_processor = OutputProcessor(self.prompts.tokenizer)
-        self.tracer = StepTracer(self) if config.trace else None
+        self.output_processor = OutputProcessor(
+            self.prompts.tokenizer, component(config, "detokenizer", IncrementalDetokenizer))
+        self.tracer = StepTracer(self.scheduler) if config.trace else None
         self.num_steps = 0
 
     # ------------------------------------------------------------ requests
@@ -62,13 +68,17 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.verify()  # again: a field may have been set after construction
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id={request_id!r} must be a non-empty string")
-        if self.output_processor.has(request_id):
-            raise ValueError(f"request_id={request_id!r} is already in use: give each request a "
-                             "unique id (or wait until it finishes)")
+        # The n > 1 samples get ids "0_7", "1_7", ...: those must be free too.
+        taken = self.output_processor.ids_in_use(request_id, params.n)
+        if taken:
+            raise ValueError(f"request_id={request_id!r} is already in use (unfinished: {taken}): "
+                             "give each request a unique id (or wait until it finishes)")
         text, token_ids = self.prompts.process(prompt)
-        self._check_fits(request_id, token_ids)
+        self.check_fits(request_id, token_ids)
+        # Everything is checked: from here on nothing can fail half-way.
         child_ids = self.output_processor.add(request_id, text, token_ids, params)
         if self.tracer is not None:
             for child_id in child_ids:
@@ -80,16 +90,20 @@ class Engine:
                 eos_token_id=self.prompts.eos_token_id, block_size=self.config.block_size,
                 arrival_time=now))
 
-    def _check_fits(self, request_id: str, token_ids: list[int]) -> None:
+    def check_fits(self, request_id: str, token_ids: list[int]) -> None:
+        """Raise if this prompt could never run (``LLM.generate`` checks every prompt
+        first, naming them "prompts[2]" as they have no request id yet)."""
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:
-            raise ValueError(f"prompt of request {request_id!r} has {len(token_ids)} tokens but "
+            raise ValueError(f"request {request_id!r}: the prompt has {len(token_ids)} tokens but "
                              f"max_model_len is {max_len} (room is needed for at least one new "
                              "token): shorten the prompt or raise max_model_len")
-        # The prompt plus one new token must fit in the pool on its own, or it never runs.
-        manager, num_tokens = self.kv_cache_manager, len(token_ids) + 1
-        if not manager.can_fit_ever(num_tokens):
-            raise PoolTooSmallError(request_id, num_tokens, manager.num_blocks_needed(num_tokens),
+        # The prompt (in chunks of at most one step's budget) plus one new token must fit
+        # in the pool on its own, or it never runs.
+        manager = self.kv_cache_manager
+        num_blocks = manager.num_blocks_to_start(len(token_ids), self.config.max_num_batched_tokens)
+        if num_blocks > manager.num_usable_blocks:
+            raise PoolTooSmallError(request_id, len(token_ids) + 1, num_blocks,
                                     manager.num_usable_blocks, self.config.block_size)
 
     def abort_request(self, request_id: str) -> bool:
@@ -113,7 +127,14 @@ class Engine:
         """Run one engine step; return a ``RequestOutput`` for every request that changed."""
         plan = self.scheduler.schedule()
         traced = self.tracer.begin(plan) if self.tracer is not None else None
-        runner_output = self.executor.execute_model(plan)
+        try:
+            runner_output = self.executor.execute_model(plan)
+        except BaseException:
+            # Ctrl-C (KeyboardInterrupt) or an error inside the model: this step's KV
+            # may be half written. The scheduler puts the step's requests back to be
+            # recomputed, so the engine stays consistent and usable.
+            self.scheduler.undo_failed_step(plan)
+            raise
         core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids)
         outputs, stopped = self.output_processor.process(core_outputs, runner_output.logprobs)
         if stopped:  # stop strings, found by the detokenizer

@@ -47,9 +47,15 @@ class ParentState:
                              num_cached_tokens=self.num_cached_tokens)
 
 
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The scheduler's ids of a request's samples: itself, or "0_7", "1_7", ... for n > 1."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, detokenizer_class: type[IncrementalDetokenizer] = IncrementalDetokenizer):
         self.tokenizer = tokenizer
+        self.detokenizer_class = detokenizer_class
         self.parents: dict[str, ParentState] = {}
         self.children: dict[str, ChildState] = {}
 
@@ -65,13 +71,18 @@ class OutputProcessor:
     def num_unfinished(self) -> int:
         return len(self.parents)
 
+    def ids_in_use(self, request_id: str, n: int) -> list[str]:
+        """Which of the ids a new request would take (its own, its samples') are taken."""
+        wanted = {request_id, *sample_ids(request_id, n)}
+        return sorted(i for i in wanted if i in self.parents or i in self.children)
+
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params) -> list[str]:
         parent = ParentState(request_id, prompt, prompt_token_ids, params)
-        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        ids = sample_ids(request_id, params.n)
         for index, child_id in enumerate(ids):
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(
+                detok = self.detokenizer_class(
                     self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
             completion = CompletionOutput(index=index,
@@ -113,9 +124,13 @@ class OutputProcessor:
                                                  stop_terminated=core.finish_reason == "stop")
                 completion.delta_text = delta
                 completion.text += delta
-                if child.detokenizer.finished and core.finish_reason is None:
+                if child.detokenizer.stop_reason is not None:
+                    # The text was cut at a stop string: that is why it ended (as in
+                    # vLLM), even if the scheduler also ended it this step — the
+                    # held-back text flushed at the end can hold a stop string too.
                     completion.finish_reason, completion.stop_reason = "stop", child.detokenizer.stop_reason
-                    stopped.append(core.request_id)
+                    if core.finish_reason is None:
+                        stopped.append(core.request_id)
             if core.finish_reason is not None and completion.finish_reason is None:
                 completion.finish_reason, completion.stop_reason = core.finish_reason, core.stop_reason
             changed[parent.request_id] = parent

@@ -1,24 +1,34 @@
-"""Records one ``StepTrace`` per engine step (only when ``trace=True``).
+"""Records one ``StepTrace`` per step of a Scheduler (the engine's, when ``trace=True``,
+or the model-free driver behind ``microvllm.viz.demo_trace``).
 
-It reads the plan, the step's results and a snapshot of the block pool taken at
-the end of the step; it never changes engine state.
+It needs only the scheduler and its KV cache manager: it reads the plan, the
+step's results and a snapshot of the block pool taken at the end of the step,
+and never changes their state::
+
+    plan = scheduler.schedule()
+    scheduled = tracer.begin(plan)          # the plan's requests, before the model runs
+    ... run the model, scheduler.update_from_output(...) ...
+    tracer.record(plan, scheduled, core_outputs, stopped)
 """
 
 from __future__ import annotations
 
+from microvllm.core.kv_cache_spec import SlidingWindowSpec
 from microvllm.trace import RequestStep, StepTrace, TraceSink, short_hash, step_kind
 
 
 class StepTracer:
-    def __init__(self, engine):
-        self.engine = engine
-        config, layout = engine.config, engine.executor.kv_cache_layout
-        windows = [g.sliding_window for g in layout.groups if g.sliding_window]
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        manager = scheduler.kv_cache_manager
+        pool = manager.block_pool
+        windows = [s.sliding_window for s in manager.kv_cache_groups if isinstance(s, SlidingWindowSpec)]
         self.sink = TraceSink(
-            block_size=config.block_size, num_blocks=config.num_kv_blocks,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            kv_cache_groups=[g.kind for g in layout.groups],
-            sliding_window=windows[0] if windows else None)
+            block_size=manager.block_size, num_blocks=pool.num_blocks,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens, max_num_seqs=scheduler.max_num_seqs,
+            kv_cache_groups=["sliding_window" if isinstance(s, SlidingWindowSpec) else "full_attention"
+                             for s in manager.kv_cache_groups],
+            sliding_window=windows[0] if windows else None, null_block_id=pool.null_block.block_id)
 
     @property
     def trace(self):
@@ -30,7 +40,7 @@ class StepTracer:
 
     def begin(self, plan) -> list[RequestStep]:
         """Describe the plan's requests as they are before the model runs."""
-        requests = self.engine.scheduler.requests
+        requests = self.scheduler.requests
         scheduled = []
         for data, is_new in [(d, True) for d in plan.scheduled_new_reqs] + \
                             [(d, False) for d in plan.scheduled_cached_reqs]:
@@ -46,16 +56,20 @@ class StepTracer:
                 is_new=is_new))
         return scheduled
 
-    def record(self, plan, scheduled: list[RequestStep], core_outputs, stopped: list[str]) -> None:
-        engine = self.engine
-        scheduler, pool = engine.scheduler, engine.kv_cache_manager.block_pool
+    def record(self, plan, scheduled: list[RequestStep], core_outputs, stopped: list[str],
+               step: int | None = None) -> None:
+        """Append the step's record. ``stopped``: ids finished after ``update_from_output``
+        (stop strings); ``step``: the step's number, by default one past the last record."""
+        if step is None:
+            step = self.trace.steps[-1].step + 1 if self.trace.steps else 0
+        scheduler, manager = self.scheduler, self.scheduler.kv_cache_manager
+        pool = manager.block_pool
         new_tokens = {o.request_id: list(o.new_token_ids) for o in core_outputs if o.new_token_ids}
         finished = {o.request_id: o.finish_reason for o in core_outputs if o.finish_reason}
         finished.update({rid: "stop" for rid in stopped})
-        manager = engine.kv_cache_manager
         self.sink.record(StepTrace(
-            step=engine.num_steps, token_budget=engine.config.max_num_batched_tokens,
-            max_num_seqs=engine.config.max_num_seqs, scheduled=scheduled,
+            step=step, token_budget=scheduler.max_num_batched_tokens,
+            max_num_seqs=scheduler.max_num_seqs, scheduled=scheduled,
             preempted=sorted(plan.preempted_req_ids), finished=list(finished),
             finish_reasons=finished, waiting=[r.request_id for r in scheduler.waiting],
             block_tables={r.request_id: [list(g) for g in manager.get_block_ids(r.request_id)]
@@ -63,6 +77,6 @@ class StepTracer:
             ref_cnts=[b.ref_cnt for b in pool.blocks],
             block_hashes=[short_hash(b.block_hash) if b.block_hash is not None else None
                           for b in pool.blocks],
-            free=[b.ref_cnt == 0 and b.block_id != 0 for b in pool.blocks],
+            free=[b.ref_cnt == 0 and not b.is_null for b in pool.blocks],
             num_free_blocks=pool.get_num_free_blocks(),
             new_tokens=new_tokens))

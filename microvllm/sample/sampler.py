@@ -66,6 +66,7 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; random rows are filtered and drawn."""
+        ### BEGIN SOLUTION
         greedy_sampled = None
         if not sampling_metadata.all_random:
             # Exactly torch.argmax, as Hugging Face greedy search does: same ids.
@@ -90,3 +91,4 @@ class Sampler(nn.Module):
         if greedy_sampled is None:
             return random_sampled
         return torch.where(is_greedy, greedy_sampled, random_sampled)
+        ### END SOLUTION

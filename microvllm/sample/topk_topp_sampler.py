@@ -23,12 +23,14 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
     Ties with the k-th value are kept too (the threshold is a value, not a count).
     """
+    ### BEGIN SOLUTION
     vocab_size = logits.shape[-1]
     k = torch.where(top_k <= 0, vocab_size, top_k).clamp(max=vocab_size)
     # The k-th largest value of each row is its threshold; topk(max k) is enough.
     top_values = logits.topk(int(k.max()), dim=-1).values
     kth_value = top_values.gather(-1, (k - 1).unsqueeze(-1))
     return logits.masked_fill(logits < kth_value, float("-inf"))
+    ### END SOLUTION
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -41,6 +43,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         mass above it       0.00  0.50  0.70  0.85  0.95
         top_p = 0.8: keep   yes   yes   yes   no    no     (kept mass 0.85 >= 0.8)
     """
+    ### BEGIN SOLUTION
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -49,6 +52,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     keep_sorted |= (top_p >= 1.0).unsqueeze(-1)
     keep = torch.empty_like(keep_sorted).scatter_(-1, sorted_ids, keep_sorted)
     return logits.masked_fill(~keep, float("-inf"))
+    ### END SOLUTION
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -75,6 +79,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
         noise row 1  <- request B's generator
         noise row 2  <- shared generator
     """
+    ### BEGIN SOLUTION
     noise = torch.empty_like(probs)
     if len(generators) != probs.shape[0]:
         noise.exponential_(generator=shared_generator)
@@ -84,3 +89,4 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
     # would pick the NaN: keep the noise strictly positive.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
+    ### END SOLUTION

@@ -6,7 +6,7 @@
     plot_timeline(trace, step=None)  the whole run: tokens per step, budget, free blocks, preemptions
     plot_step(trace, step)           all of the above in one figure
     StepExplorer(trace)              Play button + slider over the steps (ipywidgets)
-    demo_trace(kind)                 small recorded traces to explore before the engine exists
+    demo_trace(kind)                 small traces from the real scheduler, no model needed
 
 `step` is always an index into `trace.steps`. Every plot returns a
 `matplotlib.figure.Figure` made without pyplot (headless, nothing leaked).

@@ -1,8 +1,8 @@
 """StepExplorer: a Play button and a slider over the steps of a recorded trace.
 
     [▶] step ━━━━━●━━━━━━━ 14
-    Step 14 (15 of 28): 18/32 tokens for 3 request(s): 2 prefill, 1 decode.
-    New in the batch: r2 (resumed, 12 tokens from the prefix cache); ...
+    Step 14 (15 of 24): 20/32 tokens for 2 request(s): 2 prefill, 0 decode.
+    New in the batch: r2 (resumed, 16 tokens from the prefix cache); ...
     +--------------------------------------------+
     | block pool | batch  /  block tables  /  timeline |   (one PNG, redrawn per step)
     +--------------------------------------------+

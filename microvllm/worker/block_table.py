@@ -56,5 +56,7 @@ class BlockTable:
     def slot_mapping(self, batch_table: torch.Tensor, request_index: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
         """``slot[t] = block_table[req(t), pos(t) // B] * B + pos(t) % B`` for every token t."""
+        ### BEGIN SOLUTION
         block_ids = batch_table[request_index, positions // self.block_size].long()
         return block_ids * self.block_size + positions % self.block_size
+        ### END SOLUTION

@@ -53,16 +53,17 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], *, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
-                 seed: int):
+                 seed: int, sampler_class: type[Sampler] = Sampler,
+                 block_table_class: type[BlockTable] = BlockTable):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler(seed)  # its generator serves requests without a seed
+        self.sampler = sampler_class(seed)  # its generator serves requests without a seed
         self.requests: dict[str, CachedRequestState] = {}
         max_blocks = -(-max_model_len // block_size)
-        self.block_tables = [BlockTable(max_num_seqs, max_blocks, block_size)
+        self.block_tables = [block_table_class(max_num_seqs, max_blocks, block_size)
                              for _ in model.layout.groups]
         # Persistent input buffers: each step fills a prefix of them in place.
         self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
@@ -97,6 +98,15 @@ class ModelRunner:
 
     # --------------------------------------------------------------- inputs
     def _prepare_inputs(self, plan):
+        """Flatten this step's plan into the model's inputs (see the module docstring).
+
+        Returns ``(req_ids, states, input_ids, positions, metadata, sampling,
+        logits_indices)``: the batch's requests in row order and their states; one row
+        per scheduled token (``input_ids``, ``positions``); one ``AttentionMetadata``
+        per cache group (``query_start_loc``, ``seq_lens``, ``block_table``,
+        ``slot_mapping``); the batch indices of the requests that sample this step and
+        the row of each one's logits (its last row)."""
+        ### BEGIN SOLUTION
         req_ids = [r.req_id for r in plan.scheduled_new_reqs] + \
                   [r.req_id for r in plan.scheduled_cached_reqs]
         # Decodes first (as vLLM's reorder_batch does): their rows are then one
@@ -138,6 +148,7 @@ class ModelRunner:
         sampling = [i for i, (s, n) in enumerate(zip(seq_lens_cpu, states)) if s == len(n.token_ids)]
         logits_indices = torch.tensor([qsl_cpu[i + 1] - 1 for i in sampling], dtype=torch.long)
         return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
+        ### END SOLUTION
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()

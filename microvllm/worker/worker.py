@@ -15,6 +15,9 @@ import torch
 
 from microvllm.attention import get_attention_backend
 from microvllm.models.loader import load_model, resolve_dtype
+from microvllm.config import component
+from microvllm.sample.sampler import Sampler
+from microvllm.worker.block_table import BlockTable
 from microvllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("microvllm")
@@ -47,11 +50,12 @@ class Worker:
         attn = self.model.layers[0].self_attn
         shape = (2, config.num_kv_blocks, config.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in self.model.layers]
-        self.model_runner = ModelRunner(
+        self.model_runner = component(config, "model_runner", ModelRunner)(
             self.model, self.kv_caches, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, eos_token_ids=eos_token_ids,
-            seed=config.seed)
+            seed=config.seed, sampler_class=component(config, "sampler", Sampler),
+            block_table_class=component(config, "block_table", BlockTable))
 
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)

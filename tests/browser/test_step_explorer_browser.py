@@ -169,6 +169,10 @@ def test_step_explorer_slider_redraws_in_chromium(tmp_path):
     shutil.copy(NOTEBOOK, root / "step_explorer.ipynb")
     trace = demo_trace("preemption")
     trace.save(root / "trace.json")
+    preempted_at = trace.preemption_steps()[0]                # the first preemption, then its return
+    victim = trace[preempted_at].preempted[0]
+    resumed_at = next(i for i in range(preempted_at + 1, len(trace))
+                      if any(r.request_id == victim and r.prefix_hit_tokens for r in trace[i].scheduled))
     port, token = free_port(), secrets.token_hex(16)
     base = f"http://127.0.0.1:{port}"
     processes: list[subprocess.Popen] = []
@@ -211,16 +215,20 @@ def test_step_explorer_slider_redraws_in_chromium(tmp_path):
 
             handle = page.locator(".widget-slider .noUi-handle").first
             handle.focus()
-            for _ in range(4):
+            for _ in range(preempted_at):
                 handle.press("ArrowRight")
-            wait_until("the caption of step 4", lambda: caption(page).startswith("Step 4 "), deadline)
+            wait_until(f"the caption of step {preempted_at}",
+                       lambda: caption(page).startswith(f"Step {preempted_at} "), deadline)
             after = wait_until("a new image", lambda: (img := widget_image(page)) != before and img, deadline)
             assert after.startswith(b"\x89PNG") and after != before
-            assert "Preempted (blocks freed, back to waiting for recompute): r2." in caption(page)
-            for _ in range(10):                       # on to step 14: cache hits and shared blocks
+            assert f"Preempted (blocks freed, back to waiting for recompute): {victim}." in caption(page)
+            for _ in range(resumed_at - preempted_at):   # on to its return: cache hits and shared blocks
                 handle.press("ArrowRight")
-            wait_until("the caption of step 14", lambda: caption(page).startswith("Step 14 "), deadline)
-            wait_until("the image of step 14", lambda: widget_image(page) not in (before, after), deadline)
+            wait_until(f"the caption of step {resumed_at}",
+                       lambda: caption(page).startswith(f"Step {resumed_at} "), deadline)
+            assert f"{victim} (resumed, " in caption(page)
+            wait_until(f"the image of step {resumed_at}",
+                       lambda: widget_image(page) not in (before, after), deadline)
 
             page.screenshot(path=str(ARTIFACTS / "step_explorer_browser.png"))
             widget_png = page.locator(".widget-vbox").first.screenshot()

@@ -10,18 +10,31 @@ from microvllm.trace import Trace
 from microvllm.viz import StepExplorer, demo_trace, large_demo_trace
 
 
+def first_preemption_and_resume(trace):
+    """(index of the first step that preempts, the request it preempts, the step index
+    and prefix-hit tokens of that request's return)."""
+    preempted_at = trace.preemption_steps()[0]
+    rid = trace[preempted_at].preempted[0]
+    resumed_at, resumed = next((i, r) for i in range(preempted_at + 1, len(trace))
+                               for r in trace[i].scheduled if r.request_id == rid)
+    assert resumed.is_new and resumed.prefix_hit_tokens > 0
+    return preempted_at, rid, resumed_at, resumed.prefix_hit_tokens
+
+
 def test_moving_the_slider_changes_the_picture_and_the_caption():
     trace = demo_trace("preemption")
+    preempted_at, rid, resumed_at, hits = first_preemption_and_resume(trace)
+    assert 0 < preempted_at < resumed_at
     explorer = StepExplorer(trace)
     first_png, first_caption = bytes(explorer.image.value), explorer.caption.value
-    assert first_png.startswith(b"\x89PNG") and first_caption.startswith("Step 0 (1 of 28)")
-    explorer.slider.value = 4                                 # what dragging the slider does
+    assert first_png.startswith(b"\x89PNG") and first_caption.startswith(f"Step 0 (1 of {len(trace)})")
+    explorer.slider.value = preempted_at                      # what dragging the slider does
     assert bytes(explorer.image.value) != first_png
-    assert "Preempted (blocks freed, back to waiting for recompute): r2." in explorer.caption.value
-    assert explorer.figure.step == 4 and explorer.step == 4
-    explorer.show_step(14)                                    # and the other way round
-    assert explorer.slider.value == 14
-    assert "r2 (resumed, 12 tokens from the prefix cache)" in explorer.caption.value
+    assert f"Preempted (blocks freed, back to waiting for recompute): {rid}." in explorer.caption.value
+    assert explorer.figure.step == preempted_at and explorer.step == preempted_at
+    explorer.show_step(resumed_at)                            # and the other way round
+    assert explorer.slider.value == resumed_at
+    assert f"{rid} (resumed, {hits} tokens from the prefix cache)" in explorer.caption.value
 
 
 def test_play_button_and_slider_cover_every_step():

@@ -142,14 +142,27 @@ def test_batch_bars_add_up_to_the_scheduled_tokens(kind, step):
 
 
 def test_batch_labels_say_prefill_decode_hits_and_preemption():
-    trace = TRACES["preemption"]
     def labels(trace, step):
         return only(plot_batch(trace, step).axes[0].collections, "batch-labels").labels
 
-    assert labels(trace, 14) == ["r1: decode 1", "r2: prefill 12 (resumed, +12 cached)",
-                                 "r3: prefill 5 (new, +12 cached)"]
-    assert labels(trace, 4)[-1] == "r2: preempted (blocks freed, re-queued)"
-    assert labels(TRACES["chunked"], 2)[1] == "r1: prefill 9 (next chunk, 18/31 of prompt)"
+    def first_step(trace, test, after=-1):
+        return next(i for i in range(after + 1, len(trace)) if test(trace[i]))
+
+    prefix = TRACES["prefix"]                                  # r1: 12 + 10 prompt tokens, 12 of them cached
+    r1_admitted = first_step(prefix, lambda s: any(r.request_id == "r1" for r in s.scheduled))
+    assert labels(prefix, r1_admitted) == ["r1: prefill 10 (new, +12 cached)", "r0: decode 1"]
+    trace = TRACES["preemption"]
+    preempted_at = trace.preemption_steps()[0]
+    rid = trace[preempted_at].preempted[0]
+    assert labels(trace, preempted_at)[-1] == f"{rid}: preempted (blocks freed, re-queued)"
+    resumed_at = first_step(trace, lambda s: any(r.request_id == rid for r in s.scheduled), after=preempted_at)
+    r = next(r for r in trace[resumed_at].scheduled if r.request_id == rid)
+    assert r.prefix_hit_tokens > 0
+    resumed = f"{rid}: prefill {r.num_scheduled_tokens} (resumed, +{r.prefix_hit_tokens} cached)"
+    assert resumed in labels(trace, resumed_at)
+    chunked = TRACES["chunked"]                                # r1: 31 prompt tokens, 9 per chunk beside r0's decode
+    second_chunk = [i for i, s in enumerate(chunked) if any(r.request_id == "r1" for r in s.scheduled)][1]
+    assert "r1: prefill 9 (next chunk, 18/31 of prompt)" in labels(chunked, second_chunk)
 
 
 @pytest.mark.parametrize("kind", list(TRACES))

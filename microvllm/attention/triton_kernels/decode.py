@@ -86,6 +86,7 @@ def decode_attention_kernel(
 
     # Pages wholly before the window are never loaded.
     for logical_block in range(first_key // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
+        ### BEGIN SOLUTION
         physical_block = tl.load(block_table_row + logical_block).to(tl.int64)
         key_pos = logical_block * BLOCK_SIZE + slots
         visible = (key_pos >= first_key) & (key_pos <= query_pos)  # also: key_pos < seq_len
@@ -108,11 +109,14 @@ def decode_attention_kernel(
         l = l * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m = m_new
+        ### END SOLUTION
 
+    ### BEGIN SOLUTION
     # A query that saw no key at all (l == 0) gets zeros, not 0/0 = NaN.
     out = acc / tl.where(l == 0.0, 1.0, l)
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    ### END SOLUTION
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,

@@ -1,0 +1,39 @@
+"""Checkers for the course's exercises: the engine's own tests, run against your code.
+
+    from microvllm.checks import check_block_pool
+    check_block_pool(MyBlockPool)        # prints ✓ / ✗ lines, returns a CheckResult
+
+Each ``check_<component>(your_class_or_function)`` runs example cases and a hypothesis
+property test and reports, for a failure, the input, what was expected, what came back and
+a hint. A part that still raises ``NotImplementedError`` is reported as "not implemented
+yet". ``run_engine_with({"block_pool": MyBlockPool})`` then runs the real engine on your
+code and compares its greedy tokens with the reference engine's.
+
+    exercise              checkers
+    01 detokenizer        check_detokenizer, check_find_stop_string
+    03 block pool         check_free_block_queue, check_block_pool
+    04 prefix cache       check_hash_block_tokens, check_get_computed_blocks
+    05 scheduler          check_scheduler
+    06 decode kernel      check_decode_kernel
+    07 sampler            check_sampler
+    07 model runner       check_slot_mapping, check_prepare_inputs
+"""
+
+from microvllm.checks.attention import check_decode_kernel
+from microvllm.checks.block_pool import check_block_pool
+from microvllm.checks.free_queue import check_free_block_queue
+from microvllm.checks.detokenizer import check_detokenizer, check_find_stop_string
+from microvllm.checks.engine_run import run_engine_with
+from microvllm.checks.model_runner import check_prepare_inputs
+from microvllm.checks.prefix_cache import check_get_computed_blocks, check_hash_block_tokens
+from microvllm.checks.report import CheckFailure, CheckResult
+from microvllm.checks.sampler import check_sampler
+from microvllm.checks.scheduler import check_scheduler
+from microvllm.checks.slot_mapping import check_slot_mapping
+
+__all__ = [
+    "CheckFailure", "CheckResult", "check_block_pool", "check_decode_kernel", "check_detokenizer",
+    "check_find_stop_string", "check_free_block_queue", "check_get_computed_blocks",
+    "check_hash_block_tokens", "check_prepare_inputs", "check_sampler", "check_scheduler",
+    "check_slot_mapping", "run_engine_with",
+]

@@ -1,0 +1,280 @@
+"""What every checker shares: run cases against a learner's code, report in a learner's words.
+
+A checker is a list of *cases*. Each case calls the learner's code and either returns
+(✓) or raises:
+
+    CheckFailure(what, input=, expected=, got=, hint=)   ✗ the code ran but did the wrong thing
+    NotImplementedError (anywhere inside)                 · a part is not written yet
+    InvariantError / AssertionError                       ✗ with the message, plus a hint
+    any other exception                                   ✗ "your code raised ..." and where
+
+    check_block_pool(BlockPool)            prints          returns
+        case 1  ✓                          ✓ lines,        CheckResult (.passed,
+        case 2  ✗ -> input/expected/got    ✗ explanations   .not_implemented, .cases)
+        case 3  · not implemented yet      · one line per missing part
+
+Property cases run a hypothesis test (``derandomize=True``: the same examples on every
+run, so a notebook's stored output stays the same) and report the shrunk failing
+example as the input.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+PASS, FAIL, TODO, SKIP = "pass", "fail", "todo", "skip"
+
+
+class CheckFailure(AssertionError):
+    """A case found wrong behaviour: what was checked, on which input, what was expected,
+    what came back, and a hint on what to change."""
+
+    def __init__(self, what: str, *, input: object = None, expected: object = None,
+                 got: object = None, hint: str | None = None):
+        super().__init__(what)
+        self.what, self.input, self.expected, self.got, self.hint = what, input, expected, got, hint
+
+    def explain(self) -> list[str]:
+        lines = [self.what]
+        for label, value in (("input", self.input), ("expected", self.expected), ("got", self.got)):
+            if value is not None:
+                lines.append(f"{label + ':':9} {value}")
+        if self.hint:
+            lines.append(f"hint:     {self.hint}")
+        return lines
+
+
+def expect(condition: bool, what: str, **details) -> None:
+    """Raise ``CheckFailure(what, **details)`` unless ``condition``."""
+    if not condition:
+        raise CheckFailure(what, **details)
+
+
+def expect_equal(got, expected, what: str, *, input: object = None, hint: str | None = None) -> None:
+    if got != expected:
+        raise CheckFailure(what, input=input, expected=expected, got=got, hint=hint)
+
+
+@dataclass
+class Case:
+    """One check: ``run()`` calls the learner's code and raises on a problem."""
+
+    name: str
+    run: Callable[[], None]
+
+
+@dataclass
+class CaseResult:
+    name: str
+    status: str                       # PASS, FAIL, TODO or SKIP
+    lines: list[str] = field(default_factory=list)   # explanation (FAIL) or the missing part (TODO)
+
+    @property
+    def message(self) -> str:
+        return "\n".join(self.lines)
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one checker. ``print(result)`` shows the report again."""
+
+    component: str
+    cases: list[CaseResult]
+
+    @property
+    def passed(self) -> bool:
+        return any(c.status == PASS for c in self.cases) and all(c.status in (PASS, SKIP) for c in self.cases)
+
+    @property
+    def not_implemented(self) -> bool:
+        return any(c.status == TODO for c in self.cases)
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [c for c in self.cases if c.status == FAIL]
+
+    @property
+    def message(self) -> str:
+        """Every failure's explanation (what the tests match against)."""
+        return "\n".join(c.name + "\n" + c.message for c in self.failures)
+
+    def report(self) -> str:
+        total = len(self.cases)
+        num_passed = sum(c.status == PASS for c in self.cases)
+        todos: dict[str, int] = {}
+        for case in self.cases:
+            if case.status == TODO:
+                todos[case.message] = todos.get(case.message, 0) + 1
+        lines = []
+        if todos:
+            lines.append(f"{self.component}: not implemented yet")
+            for message, count in todos.items():
+                lines.append(f"  · {message}  ({count} check{'s' if count > 1 else ''} wait for it)")
+        else:
+            lines.append(f"{self.component}: {total} checks")
+        for case in self.cases:
+            if case.status == PASS and not todos:
+                lines.append(f"  ✓ {case.name}")
+            elif case.status == SKIP:
+                lines.append(f"  - {case.name}: skipped, {case.message}")
+            elif case.status == FAIL:
+                lines.append(f"  ✗ {case.name}")
+                lines += [f"      {line}" for part in case.lines for line in part.splitlines()]
+        if todos:
+            lines.append(f"  {num_passed} of {total} checks pass so far: write the missing code, "
+                         "then run this cell again.")
+        elif self.passed:
+            num_skipped = sum(c.status == SKIP for c in self.cases)
+            lines.append(f"All {total} checks pass." if not num_skipped else
+                         f"All {total - num_skipped} checks that ran pass ({num_skipped} skipped).")
+        else:
+            lines.append(f"{num_passed} of {total} checks pass; {len(self.failures)} "
+                         f"fail{'s' if len(self.failures) == 1 else ''} (see ✗ above).")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+    def __repr__(self) -> str:
+        num_passed = sum(c.status == PASS for c in self.cases)
+        return f"<CheckResult {self.component}: {num_passed}/{len(self.cases)} passed>"
+
+    def _ipython_display_(self) -> None:
+        """The checker printed the report already: show nothing more in a notebook."""
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_checks(component: str, cases: Iterable[Case], hints: Iterable[tuple[str, str]] = (),
+               *, quiet: bool = False) -> CheckResult:
+    """Run every case; print the report (unless ``quiet``) and return the result.
+
+    ``hints``: (regex, hint) pairs; a failure whose message matches gets the hint."""
+    hints = list(hints)
+    results = [_run_case(case, hints) for case in cases]
+    result = CheckResult(component, results)
+    if not quiet:
+        print(result.report())
+    return result
+
+
+def _run_case(case: Case, hints: list[tuple[str, str]]) -> CaseResult:
+    try:
+        case.run()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a report line
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "hypothesis":
+            return CaseResult(case.name, SKIP, ["hypothesis is not installed (pip install hypothesis)"])
+        todo = not_implemented_message(exc)
+        if todo is not None:
+            return CaseResult(case.name, TODO, [todo])
+        lines = explain_exception(exc)
+        text = "\n".join(lines)
+        if not (isinstance(exc, CheckFailure) and exc.hint):
+            for pattern, hint in hints:
+                if re.search(pattern, text):
+                    lines.append(f"hint:     {hint}")
+                    break
+        notes = _failing_example(exc)
+        if notes and not (isinstance(exc, CheckFailure) and exc.input is not None):
+            lines.append("the failing example (shrunk by hypothesis):")
+            lines += [f"    {n}" for n in notes]
+        return CaseResult(case.name, FAIL, lines)
+    return CaseResult(case.name, PASS)
+
+
+def _failing_example(exc: BaseException) -> list[str]:
+    """The lines of hypothesis's failing example, from the exception's notes."""
+    lines = []
+    for note in getattr(exc, "__notes__", []):
+        if note.startswith("You can reproduce"):
+            continue
+        note = note.removeprefix("Failing test case: ").removeprefix("Falsifying example: ")
+        if note.strip() and note != "<state machine>":
+            lines += note.splitlines()
+    return lines
+
+
+def _exception_chain(exc: BaseException):
+    seen = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        stack.extend(getattr(current, "exceptions", ()))  # ExceptionGroup
+        stack.extend([current.__cause__, current.__context__])
+
+
+_NOT_IMPLEMENTED_IN_TEXT = re.compile(r"NotImplementedError\((['\"])(.*?)\1\)")
+
+
+def not_implemented_message(exc: BaseException) -> str | None:
+    """The message of a NotImplementedError anywhere in ``exc``'s chain (also inside
+    Triton's InterpreterError, which carries it as text), else None."""
+    for current in _exception_chain(exc):
+        if isinstance(current, NotImplementedError):
+            return str(current) or "a part of the exercise is not written yet"
+        # Triton wraps it: the interpreter's InterpreterError, or a CompilationError
+        # that quotes the `raise` line of a kernel compiled for a GPU.
+        match = _NOT_IMPLEMENTED_IN_TEXT.search(str(current))
+        if match:
+            return match.group(2)
+    return None
+
+
+def explain_exception(exc: BaseException) -> list[str]:
+    """A failure in a learner's words: CheckFailure's fields, an assertion's message, or
+    'your code raised X' with the line it came from."""
+    if isinstance(exc, CheckFailure):
+        return exc.explain()
+    if isinstance(exc, AssertionError) and str(exc):
+        return [str(exc)]
+    where = _innermost_user_frame(exc)
+    lines = [f"your code raised {type(exc).__name__}: {exc}"]
+    if where:
+        lines.append(f"at:       {where}")
+    return lines
+
+
+_LIBRARY_PARTS = ("/hypothesis/", "/torch/", "/triton/", "/microvllm/checks/", "/_pytest/",
+                  "/pluggy/", "/numpy/")
+
+
+def _innermost_user_frame(exc: BaseException) -> str | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if not any(part in frame.filename for part in _LIBRARY_PARTS):
+            code = f": {frame.line.strip()}" if frame.line else ""
+            return f"{frame.name}(), line {frame.lineno}{code}"
+    return None
+
+
+# ------------------------------------------------------------------------ hypothesis
+
+
+def property_settings(max_examples: int, **overrides):
+    """Deterministic hypothesis settings for checks (same examples every run)."""
+    from hypothesis import HealthCheck, Phase, settings
+
+    # No "explain" phase: its notes name lines of the checker, not of the learner's code.
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
+    return settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
+                    print_blob=False, suppress_health_check=list(HealthCheck), phases=phases,
+                    **overrides)
+
+
+def run_property(test: Callable[[], None]) -> None:
+    """Run a ``@given`` test (or a state machine runner) with hypothesis's own printing
+    captured, so the failing example arrives only through the report."""
+    from hypothesis.reporting import with_reporter
+
+    with with_reporter(lambda _message: None):
+        test()

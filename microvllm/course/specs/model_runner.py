@@ -1,0 +1,73 @@
+"""Exercise 07b: slot mapping and the model runner's input preparation."""
+
+from microvllm.course.build import Exercise, Part
+from microvllm.worker.block_table import BlockTable
+from microvllm.worker.model_runner import ModelRunner
+
+EXERCISE = Exercise(
+    number="07", slug="model_runner", title="Slot mapping and input preparation",
+    lecture="07 · the model runner and the sampler",
+    intro="""You write how the model runner turns the scheduler's plan into flat tensors: where
+each new token's key and value go in the paged cache (`BlockTable.slot_mapping`) and the whole
+step's inputs (`ModelRunner._prepare_inputs`).""",
+    setup="""
+import torch
+
+import microvllm.worker.model_runner
+from microvllm.attention.metadata import AttentionMetadata
+from microvllm.checks import check_prepare_inputs, check_slot_mapping, run_engine_with
+""",
+    parts=(Part(BlockTable, intro="""The runner keeps one row per running request and appends the
+new block ids the scheduler sends each step; `gather` picks the batch's rows."""),
+           Part(ModelRunner, methods=("_prepare_inputs",), intro="""Your runner is the engine's
+`ModelRunner` with your `_prepare_inputs`; `self.requests[req_id]` holds each request's
+`token_ids` and `num_computed_tokens` (before this step), `self.block_tables` one `BlockTable` per
+cache group (it builds *your* `BlockTable`).""")),
+    todos={
+        "BlockTable.slot_mapping": "for every token: block_table[its request, position // B] * B + "
+                                   "position % B, as an int64 tensor, without a Python loop",
+        "ModelRunner._prepare_inputs": "flatten the plan: req_ids, states, input_ids, positions, one "
+                                       "AttentionMetadata per cache group, sampling rows, logits_indices",
+    },
+    contract="""
+`slot_mapping(batch_table, request_index, positions)` returns, for every token `t` of the step,
+`batch_table[request_index[t], positions[t] // block_size] * block_size + positions[t] % block_size`
+as an int64 tensor of shape `[num_tokens]` (vectorized: one indexing op, no Python loop).
+
+`_prepare_inputs(plan)` lays out every scheduled request's tokens as one contiguous run of rows
+(in any request order; the engine puts decodes first and says so with `num_decodes`) and returns
+`(req_ids, states, input_ids, positions, metadata, sampling, logits_indices)`:
+- `input_ids[rows of r] = token_ids[c : c + n]` and `positions[rows of r] = c .. c + n - 1`, where
+  `c` is the request's `num_computed_tokens` and `n = plan.num_scheduled_tokens[r]`;
+- per cache group, an `AttentionMetadata` with `num_actual_tokens`, `max_query_len`,
+  `max_seq_len`, `query_start_loc` (`[0, end of request 0, ...]`, int32), `seq_lens` (`c + n`,
+  int32), `block_table` (the batch's rows, `table.gather(req_ids, max_blocks)`), `slot_mapping`,
+  and the host copies `query_start_loc_cpu` / `seq_lens_cpu`;
+- `sampling`: the batch indices of the requests whose chunk reaches their last known token
+  (`c + n == len(token_ids)`); a partial prefill chunk samples nothing;
+- `logits_indices`: for each of those, its last row, `query_start_loc[i + 1] - 1`.
+""",
+    hints=(
+        """Slot mapping is two gathers and an add: `batch_table[request_index, positions // B]`
+gives each token's physical block id (cast it `.long()`), then `* B + positions % B`.""",
+        """Build `request_index` (which request each row belongs to) with
+`torch.repeat_interleave(torch.arange(num_reqs), counts)`; `query_start_loc` is a 0 followed by
+`counts.cumsum(0)`; a row's offset inside its chunk is `arange(num_tokens) - query_start_loc[request_index]`.""",
+        """The metadata loop:
+```python
+for table in self.block_tables:
+    batch_table = table.gather(req_ids, max_blocks)
+    metadata.append(AttentionMetadata(
+        num_actual_tokens=num_tokens, max_query_len=max(num_scheduled), max_seq_len=max(seq_lens_cpu),
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=batch_table,
+        slot_mapping=table.slot_mapping(batch_table, request_index, positions),
+        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu))
+```""",
+    ),
+    checks=("check_slot_mapping(BlockTable)", "check_prepare_inputs(ModelRunner)"),
+    engine_intro="""`components={"block_table": BlockTable, "model_runner": ModelRunner}` makes the
+worker build your runner, which keeps your block tables and prepares every step's inputs. A budget
+of 32 tokens mixes prefill chunks and decodes in one step; the greedy tokens must equal the
+reference engine's.""",
+    engine='run_engine_with({"block_table": BlockTable, "model_runner": ModelRunner}, max_num_batched_tokens=32)',
+)

@@ -1,0 +1,76 @@
+"""Exercise 07a: the sampler."""
+
+from microvllm.course.build import Exercise, Part
+from microvllm.sample.sampler import Sampler
+from microvllm.sample.topk_topp_sampler import apply_top_k, apply_top_p, random_sample
+
+EXERCISE = Exercise(
+    number="07", slug="sampler", title="The sampler: temperature, top-k, top-p, seeds",
+    lecture="07 · the model runner and the sampler",
+    intro="""You write how one step's logits become one next token per request: greedy rows
+take the argmax, random rows are divided by their temperature, filtered by top-k and top-p, and
+drawn — seeded requests from their own generator, so their tokens do not depend on the batch.""",
+    setup="""
+import torch
+from torch import nn
+
+from microvllm.sample.logprobs import compute_logprobs, gather_logprobs
+from microvllm.sample.metadata import SamplingMetadata, make_generator
+from microvllm.sample.penalties import apply_min_tokens_penalty
+from microvllm.sample.sampler import SamplerOutput
+from microvllm.sample.topk_topp_sampler import apply_min_p
+from microvllm.sampling_params import SAMPLING_EPS
+from microvllm.checks import check_sampler, run_engine_with
+""",
+    parts=(Part(apply_top_k), Part(apply_top_p), Part(random_sample),
+           Part(Sampler, intro="""`forward` (given) takes the raw logprobs and applies `min_tokens`;
+you write `sample`, which calls *your* three functions above.""")),
+    todos={
+        "apply_top_k": "keep each row's top_k[row] largest logits (0 = all; ties with the k-th kept), "
+                       "set the rest to -inf",
+        "apply_top_p": "sort each row, keep tokens whose probability mass ranked above them is < top_p[row], "
+                       "set the rest to -inf",
+        "random_sample": "draw one token per row with the exponential race: argmax(probs / E), "
+                         "E ~ Exponential(1) from the row's own generator if it has one",
+        "Sampler.sample": "argmax for greedy rows; divide the others by their temperature, apply "
+                          "top-k, top-p, min-p, softmax, random_sample; pick per row",
+    },
+    contract="""
+Every function works on the whole batch at once (`logits: [num_reqs, vocab]`, one parameter
+value per row) and never modifies its input:
+
+- `apply_top_k(logits, top_k)`: keep the `top_k[row]` largest logits of each row (`0` = keep all;
+  larger than the vocabulary = keep all; values tied with the k-th are kept); others become `-inf`.
+- `apply_top_p(logits, top_p)`: sorted from most to least likely, a token stays if the
+  probability of the tokens ranked above it is `< top_p[row]` — so the top token always stays, and
+  the token that crosses `top_p` stays too; `top_p = 1` keeps everything.
+- `random_sample(probs, generators, shared_generator)`: one token per row by the exponential race
+  `argmax(probs / E)`, `E ~ Exponential(1)`: row `r` in `generators` fills its noise from
+  `generators[r]`, every other row from `shared_generator` (one call for the whole batch).
+- `Sampler.sample(logits, metadata)`: rows with `temperature < SAMPLING_EPS` are greedy
+  (`logits.argmax(-1)`, exactly, as Hugging Face); the others are divided by their temperature,
+  filtered by top-k, top-p, then min-p (each only if its tensor in `metadata` is not None),
+  softmaxed and drawn with `random_sample(probs, metadata.generators, self.generator)`; use
+  `metadata.all_greedy` / `all_random` to skip work.
+""",
+    hints=(
+        """Top-k: `logits.topk(int(k.max()), dim=-1).values` gives each row's largest values; gather
+the k-th one per row as a threshold and `masked_fill(logits < threshold, -inf)`.""",
+        """Top-p: `sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)`; with
+`p = sorted_logits.softmax(-1)`, the mass above each token is `p.cumsum(-1) - p`. Scatter the
+keep-mask back with `torch.empty_like(keep).scatter_(-1, sorted_ids, keep)`.""",
+        """```python
+noise = torch.empty_like(probs)
+if len(generators) != probs.shape[0]:
+    noise.exponential_(generator=shared_generator)
+for row, generator in generators.items():
+    noise[row].exponential_(generator=generator)
+noise.clamp_(min=torch.finfo(noise.dtype).tiny)   # never divide by 0
+return (probs / noise).argmax(dim=-1)
+```""",
+    ),
+    checks=("check_sampler(Sampler)",),
+    engine_intro="""`components={"sampler": Sampler}` makes the model runner sample every token with
+your class. Greedy tokens must equal the reference engine's (the argmax must be exact).""",
+    engine='run_engine_with({"sampler": Sampler})',
+)

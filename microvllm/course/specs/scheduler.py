@@ -1,0 +1,83 @@
+"""Exercise 05: the scheduler's step."""
+
+from microvllm.core.scheduler import Scheduler
+from microvllm.course.build import Exercise, Part
+
+EXERCISE = Exercise(
+    number="05", slug="scheduler", title="The scheduler's step",
+    lecture="05 · the scheduler and continuous batching",
+    intro="""You write `Scheduler.schedule()`: one step's plan. One rule, no phases — every
+request's `num_computed_tokens` catches up with its `num_tokens` under a token budget — gives
+continuous batching, chunked prefill, mixed prefill + decode steps and preemption.""",
+    setup="""
+import microvllm.core.scheduler
+from microvllm.core.kv_cache_manager import KVCacheBlocks, PoolTooSmallError
+from microvllm.core.request import Request, RequestStatus
+from microvllm.core.sched_output import SchedulerOutput
+from microvllm.checks import check_scheduler, run_engine_with
+""",
+    parts=(Part(Scheduler, methods=("schedule",), intro="""Everything else is the engine's
+`Scheduler`: use `self._cap_new_tokens`, `self._preempt`, `self._raise_no_progress` and
+`self._make_output` (read them with `Scheduler._preempt??` and friends)."""),),
+    todos={
+        "Scheduler.schedule": "schedule running requests (preempting the newest when allocate_slots "
+                              "returns None), then waiting ones FCFS within the budget; "
+                              "return self._make_output(...)",
+    },
+    contract="""
+`schedule()` plans one step and returns `self._make_output(scheduled_new, scheduled_running,
+new_blocks, num_scheduled_tokens, preempted, prefix_hits)` (which also advances
+`num_computed_tokens`):
+
+1. **Running requests first**, oldest first, while budget is left. Each gets
+   `self._cap_new_tokens(request, request.num_computed_tokens, token_budget)` new tokens (0: skip
+   it). Its slots come from `self.kv_cache_manager.allocate_slots(request, n)`; while that returns
+   `None`, preempt the most recently admitted running request (`self.running.pop()`,
+   `self._preempt(victim)`, remember it) and retry — if the victim is the request itself, stop
+   scheduling running requests.
+2. **Then waiting requests**, first come first served, only if nothing was preempted this step,
+   while budget is left and `len(self.running) < self.max_num_seqs`: look up the prefix hit
+   (`get_computed_blocks`); without chunked prefill a request whose remaining tokens exceed the
+   budget waits (stop admitting); cap the new tokens from the hit on; `allocate_slots(request, n,
+   num_hit_tokens, hit_blocks)` — `None` means the pool is full: stop admitting (no overtaking).
+   An admitted request leaves `waiting`, joins `running` with status RUNNING and
+   `num_computed_tokens = num_hit_tokens`; record `prefix_hits[id]`, and set
+   `request.num_cached_tokens` to the hit on its first admission (while it is still -1).
+3. Every scheduled request's tokens come out of `token_budget` and go into
+   `num_scheduled_tokens[id]`; new blocks of running requests go into `new_blocks[id]`.
+4. If nothing was scheduled, nothing preempted, and requests wait: `self._raise_no_progress(self.waiting[0])`.
+""",
+    hints=(
+        """Read `schedule()`'s neighbours first: `_cap_new_tokens` already applies the budget and
+`max_model_len`, `_preempt` frees the blocks and requeues the request at the front, `_make_output`
+freezes the plan. `scheduled_running` is the running requests that got tokens, in `self.running`
+order.""",
+        """The preemption loop:
+```python
+blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+while blocks is None:
+    victim = self.running.pop()        # the most recently admitted
+    self._preempt(victim)
+    preempted.append(victim)
+    if victim is request:
+        break
+    blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+if blocks is None:
+    break
+```""",
+        """The admission loop header and its first lines:
+```python
+while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+    request = self.waiting[0]
+    hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+    if not self.enable_chunked_prefill and request.num_tokens - num_hit_tokens > token_budget:
+        break
+    num_new_tokens = self._cap_new_tokens(request, num_hit_tokens, token_budget)
+```""",
+    ),
+    checks=("check_scheduler(Scheduler)",),
+    engine_intro="""`components={"scheduler": Scheduler}` makes your `schedule()` plan every engine
+step. A budget of 16 tokens forces chunked prefill, 3 seats and a small pool force queueing and
+preemption; the greedy tokens must equal the reference engine's.""",
+    engine='run_engine_with({"scheduler": Scheduler}, num_kv_blocks=6, max_num_batched_tokens=16, max_num_seqs=3)',
+)

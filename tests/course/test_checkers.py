@@ -1,0 +1,362 @@
+"""Every checker passes the package's own code, reports an unfinished exercise as "not
+implemented yet", and catches deliberately wrong implementations with a message that
+names the problem."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import torch
+
+import microvllm.attention.triton_kernels.decode as decode_module
+import microvllm.core.scheduler as scheduler_module
+import microvllm.detokenizer as detokenizer_module
+import microvllm.sample.sampler as sampler_module
+import microvllm.sample.topk_topp_sampler as topk_module
+from microvllm import checks
+from microvllm.core.block_pool import BlockPool
+from microvllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from microvllm.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, hash_block_tokens
+from microvllm.core.scheduler import Scheduler
+from microvllm.detokenizer import IncrementalDetokenizer, find_stop_string
+from microvllm.sample.sampler import Sampler
+from microvllm.worker.block_table import BlockTable
+from microvllm.worker.model_runner import ModelRunner
+from tests.course.mutants import mutant
+
+
+def caught(result, pattern: str) -> None:
+    """The checker failed (not "not implemented"), and its explanation matches ``pattern``."""
+    assert not result.passed and not result.not_implemented, result.report()
+    assert re.search(pattern, result.message, re.S), result.report()
+
+
+def todo(result) -> None:
+    report = result.report()
+    assert result.not_implemented and not result.passed, report
+    assert "not implemented yet" in report and "✗" not in report, report
+
+
+# ------------------------------------------------------------------ free queue
+
+class QueueForgetsCounter(FreeKVCacheBlockQueue):
+    def remove(self, block):
+        prev_block, next_block = block.prev_free_block, block.next_free_block
+        if prev_block is None:
+            raise ValueError("not queued")
+        prev_block.next_free_block, next_block.prev_free_block = next_block, prev_block
+        block.prev_free_block = block.next_free_block = None
+
+
+class QueuePopsNewest(FreeKVCacheBlockQueue):
+    def popleft(self):
+        last = self.fake_free_list_tail.prev_free_block
+        if last is self.fake_free_list_head:
+            raise ValueError("empty")
+        self.remove(last)
+        return last
+
+
+class QueueSearchesToRemove(FreeKVCacheBlockQueue):
+    def remove(self, block):
+        node = self.fake_free_list_head
+        while node is not block and node is not None:  # an O(n) walk first
+            node = node.next_free_block
+        super().remove(block)
+
+
+class QueueTodo(FreeKVCacheBlockQueue):
+    def remove(self, block):
+        raise NotImplementedError("FreeKVCacheBlockQueue.remove: unlink it")
+
+
+def test_free_block_queue_checker():
+    assert checks.check_free_block_queue(FreeKVCacheBlockQueue, quiet=True).passed
+    caught(checks.check_free_block_queue(QueueForgetsCounter, quiet=True), r"len\(queue\) is wrong.*num_free_blocks")
+    caught(checks.check_free_block_queue(QueuePopsNewest, quiet=True),
+           r"popleft\(\) must return the least recently freed block")
+    caught(checks.check_free_block_queue(QueueSearchesToRemove, quiet=True), r"remove\(\) must be O\(1\)")
+    todo(checks.check_free_block_queue(QueueTodo, quiet=True))
+
+
+# ------------------------------------------------------------------ block pool
+
+class PoolTouchKeepsQueued(BlockPool):
+    def touch(self, blocks):
+        for block in blocks:
+            if not block.is_null:
+                block.ref_cnt += 1  # forgets to take free blocks out of the queue
+
+
+class PoolFreesTwice(BlockPool):
+    def free_blocks(self, ordered_blocks):
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt <= 0:
+                self.free_block_queue.append(block)
+
+
+class PoolKeepsHashes(BlockPool):
+    def get_new_blocks(self, num_blocks):
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError("too few")
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            block.ref_cnt = 1  # forgets to evict the old hash
+        return blocks
+
+
+class PoolTodo(BlockPool):
+    def touch(self, blocks):
+        raise NotImplementedError("BlockPool.touch: take a reference")
+
+
+def test_block_pool_checker():
+    assert checks.check_block_pool(BlockPool, quiet=True).passed
+    caught(checks.check_block_pool(PoolTouchKeepsQueued, quiet=True),
+           r"touch\(\) must take a free cached block out of the free queue")
+    caught(checks.check_block_pool(PoolFreesTwice, quiet=True),
+           r"block 3 came back from free_blocks\(\) twice.*must not be pushed onto the free queue again")
+    caught(checks.check_block_pool(PoolKeepsHashes, quiet=True), r"must lose its hash")
+    todo(checks.check_block_pool(PoolTodo, quiet=True))
+
+
+# ---------------------------------------------------------------- prefix hashing
+
+def hash_without_parent(parent, token_ids, extra_keys=None):
+    return hash_block_tokens(None, token_ids, extra_keys)
+
+
+def hash_with_repr(parent, token_ids, extra_keys=None):
+    return BlockHash(hashlib.sha256(repr((parent, list(token_ids), extra_keys)).encode()).digest())
+
+
+def hash_ignoring_extra_keys(parent, token_ids, extra_keys=None):
+    return hash_block_tokens(parent, token_ids)
+
+
+def hash_todo(parent, token_ids, extra_keys=None):
+    raise NotImplementedError("hash_block_tokens: sha256 of parent, tokens, extra keys")
+
+
+def test_hash_checker():
+    assert checks.check_hash_block_tokens(hash_block_tokens, quiet=True).passed
+    caught(checks.check_hash_block_tokens(hash_without_parent, quiet=True), r"after another prefix must hash differently")
+    caught(checks.check_hash_block_tokens(hash_with_repr, quiet=True), r"the engine's exact one")
+    caught(checks.check_hash_block_tokens(hash_ignoring_extra_keys, quiet=True), r"extra keys .* must change")
+    todo(checks.check_hash_block_tokens(hash_todo, quiet=True))
+
+
+# ------------------------------------------------------------------- cache hits
+
+class HitsTheLastToken(KVCacheManager):
+    def get_computed_blocks(self, request):
+        if not self.enable_caching:
+            return self.create_empty_block_list(), 0
+        hits = [m.find_longest_cache_hit(request.block_hashes, request.num_tokens)
+                for m in self.single_type_managers]
+        return KVCacheBlocks(tuple(hits)), min(len(b) for b in hits) * self.block_size
+
+
+class GroupsNeverRetry(KVCacheManager):
+    def get_computed_blocks(self, request):
+        if not self.enable_caching:
+            return self.create_empty_block_list(), 0
+        hits = [m.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+                for m in self.single_type_managers]
+        shortest = min(len(b) for b in hits)
+        return KVCacheBlocks(tuple(b[:shortest] for b in hits)), shortest * self.block_size
+
+
+class HitsTodo(KVCacheManager):
+    def get_computed_blocks(self, request):
+        raise NotImplementedError("KVCacheManager.get_computed_blocks: find the hit")
+
+
+def test_get_computed_blocks_checker():
+    assert checks.check_get_computed_blocks(KVCacheManager, quiet=True).passed
+    caught(checks.check_get_computed_blocks(HitsTheLastToken, quiet=True), r"never cover the last token")
+    caught(checks.check_get_computed_blocks(GroupsNeverRetry, quiet=True), r"must all retry at the shortest hit")
+    todo(checks.check_get_computed_blocks(HitsTodo, quiet=True))
+
+
+# -------------------------------------------------------------------- scheduler
+
+def test_scheduler_checker():
+    assert checks.check_scheduler(Scheduler, quiet=True).passed
+    ignores_budget = mutant(scheduler_module, [("token_budget -= num_new_tokens", "pass")]).Scheduler
+    caught(checks.check_scheduler(ignores_budget, quiet=True), r"the token budget max_num_batched_tokens is")
+    preempts_oldest = mutant(scheduler_module, [("victim = self.running.pop()", "victim = self.running.pop(0)")]).Scheduler
+    caught(checks.check_scheduler(preempts_oldest, quiet=True), r"the most recently admitted request is preempted")
+    too_many_seats = mutant(scheduler_module, [(" and len(self.running) < self.max_num_seqs", "")]).Scheduler
+    caught(checks.check_scheduler(too_many_seats, quiet=True), r"requests run but max_num_seqs is 2")
+
+    class SchedulerTodo(Scheduler):
+        def schedule(self):
+            raise NotImplementedError("Scheduler.schedule: plan one step")
+    todo(checks.check_scheduler(SchedulerTodo, quiet=True))
+
+
+# ---------------------------------------------------------------------- sampler
+
+def test_sampler_checker():
+    assert checks.check_sampler(Sampler, quiet=True).passed
+    drops_crossing = mutant(topk_module, [("mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs",
+                                           "mass_above = sorted_probs.cumsum(dim=-1)")])
+    sampler = mutant(sampler_module, apply_top_p=drops_crossing.apply_top_p).Sampler
+    caught(checks.check_sampler(sampler, quiet=True), r"top_p=0\.7.*the token that crosses 0\.7 stays")
+    multiplies = mutant(sampler_module, [("logits = logits / torch.where(is_greedy, 1.0, temperature)",
+                                          "logits = logits * torch.where(is_greedy, 1.0, temperature)")]).Sampler
+    caught(checks.check_sampler(multiplies, quiet=True), r"temperature 0\.5 must give p\^\(1/T\)")
+
+    def shared_noise_only(probs, generators, shared_generator):
+        return topk_module.random_sample(probs, {}, shared_generator)
+    ignores_seeds = mutant(sampler_module, random_sample=shared_noise_only).Sampler
+    caught(checks.check_sampler(ignores_seeds, quiet=True), r"must not depend on the rest of the batch")
+
+    class SamplerTodo(Sampler):
+        def sample(self, logits, sampling_metadata):
+            raise NotImplementedError("Sampler.sample: greedy and random rows")
+    todo(checks.check_sampler(SamplerTodo, quiet=True))
+
+
+# ----------------------------------------------------------------- model runner
+
+class SlotsIgnoreTheTable(BlockTable):
+    def slot_mapping(self, batch_table, request_index, positions):
+        return positions.clone()
+
+
+class SlotsWithoutOffset(BlockTable):
+    def slot_mapping(self, batch_table, request_index, positions):
+        return batch_table[request_index, positions // self.block_size].long() * self.block_size
+
+
+def test_slot_mapping_checker():
+    assert checks.check_slot_mapping(BlockTable, quiet=True).passed
+    caught(checks.check_slot_mapping(SlotsIgnoreTheTable, quiet=True), r"the slot of each token.*physical")
+    caught(checks.check_slot_mapping(SlotsWithoutOffset, quiet=True), r"the slot of each token")
+
+    class Todo(BlockTable):
+        def slot_mapping(self, batch_table, request_index, positions):
+            raise NotImplementedError("BlockTable.slot_mapping: block id * B + offset")
+    todo(checks.check_slot_mapping(Todo, quiet=True))
+
+
+class PositionsFromZero(ModelRunner):
+    def _prepare_inputs(self, plan):
+        req_ids, states, input_ids, positions, metadata, sampling, logits_indices = super()._prepare_inputs(plan)
+        qsl = metadata[0].query_start_loc.tolist()
+        for i in range(len(req_ids)):  # every chunk restarts at position 0
+            positions[qsl[i]:qsl[i + 1]] = torch.arange(qsl[i + 1] - qsl[i])
+        return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
+
+
+class LogitsFromFirstRow(ModelRunner):
+    def _prepare_inputs(self, plan):
+        req_ids, states, input_ids, positions, metadata, sampling, _ = super()._prepare_inputs(plan)
+        qsl = metadata[0].query_start_loc.tolist()
+        return (req_ids, states, input_ids, positions, metadata, sampling,
+                torch.tensor([qsl[i] for i in sampling], dtype=torch.long))
+
+
+def test_prepare_inputs_checker():
+    assert checks.check_prepare_inputs(ModelRunner, quiet=True).passed
+    caught(checks.check_prepare_inputs(PositionsFromZero, quiet=True), r"positions.*num_computed_tokens \+ its offset")
+    caught(checks.check_prepare_inputs(LogitsFromFirstRow, quiet=True), r"logits must come from the request's last row")
+
+    class Todo(ModelRunner):
+        def _prepare_inputs(self, plan):
+            raise NotImplementedError("ModelRunner._prepare_inputs: flatten the plan")
+    todo(checks.check_prepare_inputs(Todo, quiet=True))
+
+
+# ---------------------------------------------------------------- decode kernel
+
+def test_decode_kernel_checker():
+    assert checks.check_decode_kernel(decode_module.decode_attention, quiet=True).passed
+    unscaled = mutant(decode_module, [("s = tl.sum(k * q[None, :], axis=1) * scale", "s = tl.sum(k * q[None, :], axis=1)")])
+    caught(checks.check_decode_kernel(unscaled.decode_attention, quiet=True), r"WITHOUT the 1/sqrt\(head_dim\) scale")
+    no_window = mutant(decode_module, [("first_key = tl.maximum(query_pos - SLIDING_WINDOW + 1, 0)", "first_key = 0")])
+    caught(checks.check_decode_kernel(no_window.decode_attention, quiet=True),
+           r"sliding window that starts.*WITHOUT the sliding window")
+    unwritten = mutant(decode_module, [("    ### BEGIN SOLUTION\n    # A query that saw no key",
+                                        "    raise NotImplementedError(\"decode_attention_kernel: store\")\n"
+                                        "    # A query that saw no key")])
+    todo(checks.check_decode_kernel(unwritten.decode_attention, quiet=True))
+
+
+# ------------------------------------------------------------------ detokenizer
+
+class DecodesEachTokenAlone(IncrementalDetokenizer):
+    def _decode_next(self):
+        self.read_offset = len(self.output_token_ids)
+        return self._decode(self.output_token_ids[-1:])
+
+
+class DecodesEverything(IncrementalDetokenizer):
+    def _decode_next(self):
+        tokens = self.output_token_ids
+        prefix_text, new_text = self._decode(tokens[:self.read_offset]), self._decode(tokens)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self.read_offset = len(tokens)
+        return new_text[len(prefix_text):]
+
+
+def stop_in_new_text_only(output_text, new_char_count, stop):
+    """Searches only the new characters: misses a stop string that straddles old and new."""
+    if new_char_count <= 0:
+        return None
+    start = len(output_text) - new_char_count
+    found = [(s, output_text.find(s, start)) for s in stop if output_text.find(s, start) != -1]
+    return min(found, key=lambda f: f[1]) if found else None
+
+
+def test_detokenizer_checker():
+    assert checks.check_detokenizer(IncrementalDetokenizer, quiet=True).passed
+    caught(checks.check_detokenizer(DecodesEachTokenAlone, quiet=True), r"a delta showed a half character")
+    caught(checks.check_detokenizer(DecodesEverything, quiet=True), r"each step must decode a short window")
+
+    class Todo(IncrementalDetokenizer):
+        def _decode_next(self):
+            raise NotImplementedError("IncrementalDetokenizer._decode_next: the window")
+    todo(checks.check_detokenizer(Todo, quiet=True))
+
+
+def test_find_stop_string_checker():
+    assert checks.check_find_stop_string(find_stop_string, quiet=True).passed
+    caught(checks.check_find_stop_string(stop_in_new_text_only, quiet=True), r"straddles old and new text")
+    latest = mutant(detokenizer_module, [("index < best[1]", "index > best[1]")]).find_stop_string
+    caught(checks.check_find_stop_string(latest, quiet=True), r"the earliest stop string wins")
+
+
+# ------------------------------------------------------------------ the report
+
+def test_report_shows_input_expected_got_and_hint(capsys):
+    result = checks.check_block_pool(PoolTouchKeepsQueued)
+    out = capsys.readouterr().out
+    assert out.strip() == result.report().strip()
+    assert "✗ touch() revives a free cached block" in out
+    for label in ("input:", "expected:", "got:", "hint:"):
+        assert label in out
+    assert "Traceback" not in out
+
+
+def test_an_unexpected_exception_says_where(capsys):
+    class Crashes(FreeKVCacheBlockQueue):
+        def popleft(self):
+            return [][0]
+    result = checks.check_free_block_queue(Crashes, quiet=True)
+    assert "your code raised IndexError: list index out of range" in result.message
+    assert "popleft(), line" in result.message
+
+
+def test_a_property_case_is_skipped_without_hypothesis():
+    from microvllm.checks.report import Case, run_checks
+
+    def needs_hypothesis():
+        raise ModuleNotFoundError("No module named 'hypothesis'", name="hypothesis")
+    result = run_checks("check_x", [Case("a", lambda: None), Case("property: b", needs_hypothesis)], quiet=True)
+    assert result.passed and "skipped, hypothesis is not installed" in result.report()
