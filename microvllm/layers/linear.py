@@ -1,0 +1,100 @@
+"""Linear layers whose CPU matmul reuses a weight packed once, not at every call.
+
+A BLAS library multiplies ``x [M, K] @ W.T`` by first copying ``W`` into a
+cache-friendly tiled layout ("packing"), then running its micro-kernel over the
+tiles. ``torch.nn.functional.linear`` packs the weight again at every call. For a
+prefill (M in the hundreds) that copy is small next to the arithmetic; for a
+decode step (M = number of running requests, often 1-32) it is a large share of
+the time, since every one of the model's weights is copied once more per step::
+
+    F.linear(x, W)            pack W ──> multiply          (every call)
+    PackedGemm(W)(x)          pack W once ──> multiply     (every call reuses the pack)
+
+Pre-packing is what vLLM's CPU backend does too (``dispatch_cpu_unquantized_gemm``:
+oneDNN with a pre-packed weight). Here it uses the oneDNN operators that PyTorch's
+own compiler uses for the same purpose (``torch.ops.mkldnn``). They cover float32
+and, on CPUs with AMX or AVX512-BF16, bfloat16 with the matrix units. On any other
+device or dtype, with autograd on, or where oneDNN is missing, ``F.linear`` runs
+instead: same result, just the plain path.
+
+Measured on a 2-core Xeon (AMX), SmolLM2-135M shapes: with 4-64 rows, float32
+1.3-1.8x faster per projection; bfloat16 1.2-1.6x at any row count. With 1 or 2
+rows, float32 is a matrix-vector product that only streams the weight, which MKL's
+plain path does at memory speed (27.8 ms vs 34.6 ms for the model's 120
+projections), so those stay on ``F.linear``. The results differ from ``F.linear``
+by float rounding only (~1e-6 relative in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# float32 inputs with fewer rows than this use F.linear (see above).
+FLOAT32_MIN_ROWS = 3
+
+
+def packing_available() -> bool:
+    """Whether this PyTorch build has the oneDNN linear operators used here."""
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PackedGemm:
+    """``y = x @ weight.T (+ bias)`` with ``weight`` packed for oneDNN on first use.
+
+    The pack is a copy: it is rebuilt whenever the weight changes (another tensor,
+    another dtype, or an in-place update such as loading a checkpoint), so callers
+    never see a stale result."""
+
+    def __init__(self):
+        self._packed: torch.Tensor | None = None
+        self._key: tuple | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._usable(x, weight, bias):
+            return F.linear(x, weight, bias)
+        key = (weight.data_ptr(), weight.dtype, _version(weight), tuple(weight.shape))
+        if key != self._key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self._key = key
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed, bias,
+                                                 "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def _usable(x, weight, bias) -> bool:
+        return (x.device.type == "cpu" and weight.device.type == "cpu"
+                and x.dtype == weight.dtype and weight.dtype in _PACKED_DTYPES
+                and (bias is None or bias.dtype == weight.dtype)
+                and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+                and x.shape[-1] == weight.shape[1] and x.numel() > 0
+                and (weight.dtype != torch.float32 or x.numel() // x.shape[-1] >= FLOAT32_MIN_ROWS)
+                and _AVAILABLE)
+
+
+_AVAILABLE = packing_available()
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (tensors made under
+    ``torch.inference_mode`` have none; they cannot be updated outside it either)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same checkpoint names) with a pre-packed CPU matmul."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gemm = PackedGemm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.weight, self.bias)

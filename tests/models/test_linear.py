@@ -1,0 +1,66 @@
+"""The pre-packed CPU matmul (``microvllm.layers.linear``) against ``F.linear``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from microvllm.layers.linear import FLOAT32_MIN_ROWS, Linear, PackedGemm, packing_available
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 32, 257])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(dtype, rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(96, 160, bias=bias).to(dtype)
+    x = torch.randn(rows, 96, dtype=dtype)
+    with torch.inference_mode():
+        out = layer(x)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **TOL[dtype])
+    packed = packing_available() and (dtype == torch.bfloat16 or rows >= FLOAT32_MIN_ROWS)
+    assert (layer.gemm._packed is not None) == packed
+
+
+def test_keeps_leading_dims():
+    layer = Linear(32, 48)
+    x = torch.randn(2, 5, 32)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == (2, 5, 48)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **TOL[torch.float32])
+
+
+def test_repacks_when_the_weight_changes():
+    """A checkpoint loaded in place, or a cast to another dtype, must not leave a stale pack."""
+    layer = Linear(64, 64, bias=False)
+    x = torch.randn(8, 64)
+    with torch.inference_mode():
+        layer(x)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(64, 64))          # in place: same storage, new values
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), **TOL[torch.float32])
+    layer.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(xb), F.linear(xb, layer.weight), **TOL[torch.bfloat16])
+
+
+def test_autograd_takes_the_plain_path():
+    layer = Linear(16, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+    assert layer.gemm._packed is None
+
+
+def test_shared_weight_gemm():
+    """``PackedGemm`` on a weight it does not own (the tied embedding used as lm_head)."""
+    embedding = torch.nn.Embedding(300, 48)
+    gemm = PackedGemm()
+    hidden = torch.randn(6, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(gemm(hidden, embedding.weight),
+                                   hidden @ embedding.weight.T, **TOL[torch.float32])
