@@ -32,7 +32,8 @@ from microvllm.attention.metadata import AttentionMetadata
 from microvllm.attention.torch_ref import attention_mask, gather_context, write_kv_torch
 
 
-def decode_layout(block_table, seq_lens, block_size: int, sliding_window: int | None):
+def decode_layout(block_table, seq_lens, block_size: int, sliding_window: int | None,
+                  dtype: torch.dtype = torch.float32):
     """What every layer's decode attention shares in one step: which pages to gather
     (``table [B, nb]``), how long the padded context is, and the visibility mask."""
     max_len = int(seq_lens.max())
@@ -42,7 +43,10 @@ def decode_layout(block_table, seq_lens, block_size: int, sliding_window: int | 
     visible = k_pos <= last
     if sliding_window is not None:
         visible &= k_pos > last - sliding_window
-    return table, max_len, visible[:, None, None, :]
+    # Additive (0 or -inf, in the query's dtype): SDPA would convert a boolean mask again
+    # in every layer.
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return table, max_len, mask[:, None, None, :]
 
 
 def _decode_batch(query, kv_cache, layout, scale):
@@ -86,7 +90,7 @@ def paged_attention_sdpa(query, kv_cache, metadata: AttentionMetadata, *, scale:
             if key not in metadata.per_step:  # computed by the first layer, reused by the rest
                 metadata.per_step[key] = decode_layout(
                     metadata.block_table[:num_decodes], metadata.seq_lens[:num_decodes],
-                    block_size, sliding_window)
+                    block_size, sliding_window, query.dtype)
             out[:num_decodes] = _decode_batch(query[:num_decodes], kv_cache,
                                               metadata.per_step[key], scale)
     else:  # no ordering promised: pick the decode rows out
@@ -94,7 +98,7 @@ def paged_attention_sdpa(query, kv_cache, metadata: AttentionMetadata, *, scale:
         if decodes:
             rows, index = torch.tensor([qsl[i] for i in decodes]), torch.tensor(decodes)
             layout = decode_layout(metadata.block_table[index], metadata.seq_lens[index],
-                                   block_size, sliding_window)
+                                   block_size, sliding_window, query.dtype)
             out[rows] = _decode_batch(query[rows], kv_cache, layout, scale)
     for i, n in enumerate(query_lens):
         if n > 1:
