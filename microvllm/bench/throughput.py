@@ -440,6 +440,30 @@ def bench_prefix(args, model_path: Path, cost: ModelCost) -> None:
           f"{same}/{len(off.outputs)}")
 
 
+# torch operators by the part of a decode step they belong to; the rest is "other":
+# norms, RoPE, residual adds, views, sampling.
+PROJECTION_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
+ATTENTION_OPS = {"aten::index_select", "aten::index_copy_", "aten::scaled_dot_product_attention"}
+
+
+def op_kind(name: str) -> str:
+    if name in PROJECTION_OPS:
+        return "projections"
+    if name in ATTENTION_OPS or name.startswith("aten::_scaled_dot_product"):  # SDPA's kernels
+        return "attention"
+    return "other"
+
+
+def where_the_time_goes(averages, num_steps: int) -> str:
+    """One line from a torch.profiler table: self CPU time per step by kind of operator."""
+    totals = {"projections": 0.0, "attention": 0.0, "other": 0.0}
+    for event in averages:
+        totals[op_kind(event.key)] += event.self_cpu_time_total / 1e3 / num_steps  # us -> ms
+    whole = sum(totals.values()) or 1.0
+    parts = [f"{kind} {ms:.1f} ms ({ms / whole:.0%})" for kind, ms in totals.items()]
+    return f"per decode step (torch ops, self CPU time): {', '.join(parts)}"
+
+
 def profile_decode(llm, cost: ModelCost, batch: int, args) -> None:
     """Where a decode step's time goes: torch ops, then the Python functions."""
     import cProfile
@@ -467,8 +491,10 @@ def profile_decode(llm, cost: ModelCost, batch: int, args) -> None:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(num_steps):
                     llm.engine.step()
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
-                                            max_name_column_width=40))
+            averages = prof.key_averages()
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=12,
+                                 max_name_column_width=40))
+            print(where_the_time_goes(averages, num_steps))
         else:
             profiler = cProfile.Profile()
             profiler.enable()

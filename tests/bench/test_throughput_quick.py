@@ -55,6 +55,7 @@ def test_skip_hf_and_profile(tiny_llama, capsys):
     assert "HF static batch" in out and "skipped (--skip-hf)" in out
     assert "not compared with HF (--skip-hf)" in out
     assert "profile: 8 decode-only steps at batch 4" in out
+    assert "per decode step (torch ops, self CPU time): projections" in out
     assert "prefix workload" not in out
 
 
@@ -87,3 +88,18 @@ def test_sliding_window_pairs():
         rows = range(c - q + 1, c + 1)           # keys seen by each query row, no window
         assert base.visible_pairs(q, c) == sum(rows)
         assert windowed.visible_pairs(q, c) == sum(min(k, 4) for k in rows)
+
+
+def test_where_the_time_goes_sorts_ops_by_kind():
+    from types import SimpleNamespace
+
+    from microvllm.bench.throughput import where_the_time_goes
+
+    events = [SimpleNamespace(key=k, self_cpu_time_total=us) for k, us in [
+        ("mkldnn::_linear_pointwise", 6000.0), ("aten::mm", 2000.0),             # projections
+        ("aten::index_select", 3000.0), ("aten::_scaled_dot_product_flash_attention_for_cpu", 5000.0),
+        ("aten::mul", 4000.0)]]                                                  # other
+    line = where_the_time_goes(events, num_steps=2)
+    assert "projections 4.0 ms (40%)" in line
+    assert "attention 4.0 ms (40%)" in line
+    assert "other 2.0 ms (20%)" in line
