@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from microvllm.layers.linear import FLOAT32_MIN_ROWS, Linear, PackedGemm, packing_available
+from microvllm.layers.linear import FLOAT32_MAX_ROWS, FLOAT32_MIN_ROWS, Linear, PackedGemm, packing_available
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -19,7 +19,8 @@ def test_matches_f_linear(dtype, rows, bias):
     with torch.inference_mode():
         out = layer(x)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **TOL[dtype])
-    packed = packing_available() and (dtype == torch.bfloat16 or rows >= FLOAT32_MIN_ROWS)
+    packed = packing_available() and (dtype == torch.bfloat16
+                                      or FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS)
     assert (layer.gemm._packed is not None) == packed
 
 
