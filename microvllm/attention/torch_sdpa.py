@@ -33,7 +33,7 @@ from microvllm.attention.torch_ref import attention_mask, gather_context, write_
 
 
 def decode_layout(block_table, seq_lens, block_size: int, sliding_window: int | None,
-                  dtype: torch.dtype = torch.float32):
+                  dtype: torch.dtype):
     """What every layer's decode attention shares in one step: which pages to gather
     (``table [B, nb]``), how long the padded context is, and the visibility mask."""
     max_len = int(seq_lens.max())

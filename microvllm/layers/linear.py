@@ -22,8 +22,8 @@ Measured on a 2-core Xeon (AMX), SmolLM2-135M shapes: with 4-64 rows, float32
 rows, float32 is a matrix-vector product that only streams the weight, which MKL's
 plain path does at memory speed (27.8 ms vs 34.6 ms for the model's 120
 projections), so those stay on ``F.linear``; so do float32 prefills of more than
-256 rows, where the pack is a small share and MKL measured as fast or faster. The results differ from ``F.linear``
-by float rounding only (~1e-6 relative in float32).
+256 rows, where the pack is a small share and MKL measured as fast or faster. The
+results differ from ``F.linear`` by float rounding only (~1e-6 relative in float32).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def packing_available() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+_AVAILABLE = packing_available()
 
 
 class PackedGemm:
@@ -69,17 +72,13 @@ class PackedGemm:
 
     @staticmethod
     def _usable(x, weight, bias) -> bool:
-        return (x.device.type == "cpu" and weight.device.type == "cpu"
+        return (_AVAILABLE and x.device.type == "cpu" and weight.device.type == "cpu"
                 and x.dtype == weight.dtype and weight.dtype in _PACKED_DTYPES
                 and (bias is None or bias.dtype == weight.dtype)
                 and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
                 and x.shape[-1] == weight.shape[1] and x.numel() > 0
                 and (weight.dtype != torch.float32
-                     or FLOAT32_MIN_ROWS <= x.numel() // x.shape[-1] <= FLOAT32_MAX_ROWS)
-                and _AVAILABLE)
-
-
-_AVAILABLE = packing_available()
+                     or FLOAT32_MIN_ROWS <= x.numel() // x.shape[-1] <= FLOAT32_MAX_ROWS))
 
 
 def _version(tensor: torch.Tensor) -> int:

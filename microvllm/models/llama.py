@@ -106,8 +106,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.logits_gemm = PackedGemm()  # the lm_head (or tied embedding) matmul, pre-packed
+            # Only its weight is used: compute_logits multiplies by it (or by the tied
+            # embedding) through one pre-packed gemm.
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_gemm = PackedGemm()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
