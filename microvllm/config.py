@@ -24,7 +24,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
+    """A registered backend name, or ``"auto"``: ``"cpu"`` where its kernel builds, else ``"torch"``."""
     dtype: str = "float32"
     seed: int = 0
     trace: bool = False
@@ -62,9 +63,9 @@ class EngineConfig:
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend={self.attention_backend!r} must be a backend name such as 'torch'")
         from microvllm.attention import available_backends  # registers the built-in ones (no triton import)
-        if self.attention_backend not in available_backends():
+        if self.attention_backend != "auto" and self.attention_backend not in available_backends():
             raise ValueError(f"attention_backend={self.attention_backend!r} is not known; "
-                             f"choose one of {available_backends()}")
+                             f"choose 'auto' or one of {available_backends()}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"seed={self.seed!r} must be an int")
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)

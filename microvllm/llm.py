@@ -28,7 +28,7 @@ class LLM:
                  num_kv_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 attention_backend: str = "torch", dtype: str = "float32", seed: int = 0,
+                 attention_backend: str = "auto", dtype: str = "float32", seed: int = 0,
                  trace: bool = False, **engine_options):
         _check_engine_options(engine_options)
         config = EngineConfig(

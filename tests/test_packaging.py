@@ -51,3 +51,13 @@ def test_ci_runs_the_readme_test_command():
 
 def test_console_script_points_at_main():
     assert PYPROJECT["project"]["scripts"]["microvllm"] == "microvllm.__main__:main"
+
+
+def test_kernel_sources_ship_with_the_package():
+    """Non-Python files the package reads at run time must be declared as package data,
+    or a non-editable install would leave them out."""
+    declared = PYPROJECT["tool"]["setuptools"]["package-data"]
+    for source in (ROOT / "microvllm").rglob("*.cpp"):
+        package = ".".join(source.parent.relative_to(ROOT).parts)
+        patterns = declared.get(package, [])
+        assert any(source.match(p) for p in patterns), f"{source.name} is not package data of {package}"

@@ -2,11 +2,14 @@
 
 The model never knows which backend runs: its ``Attention`` layer calls
 ``backend.write_kv`` then ``backend.forward`` with explicit metadata (no global
-"current context"). Backends are chosen by name, e.g. ``attention_backend="torch"``.
+"current context"). Backends are chosen by name, e.g. ``attention_backend="torch"``;
+the default ``"auto"`` picks the compiled CPU kernel (``"cpu"``) when it builds here and
+the torch backend otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -37,6 +40,8 @@ class AttentionBackend(ABC):
 
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
+AUTO = "auto"
+logger = logging.getLogger("microvllm")
 
 
 def register_backend(name: str):
@@ -55,9 +60,25 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def resolve_backend_name(name: str) -> str:
+    """``"auto"`` -> ``"cpu"`` if its C++ kernel builds on this machine, else ``"torch"``
+    (saying why); any other name is returned as it is."""
+    if name != AUTO:
+        return name
+    from microvllm.attention import cpu_kernels
+    reason = cpu_kernels.kernel_status()
+    if reason is None:
+        return "cpu"
+    logger.warning("attention_backend='auto': using 'torch', because the CPU kernel is not "
+                   "usable here: %s", reason)
+    return "torch"
+
+
 def get_attention_backend(name: str) -> AttentionBackend:
-    """Instantiate the backend registered as ``name`` (raises a clear error otherwise)."""
+    """Instantiate the backend registered as ``name`` (or the one ``"auto"`` picks);
+    raises a clear error for an unknown name."""
     _load_builtin_backends()
+    name = resolve_backend_name(name)
     if name not in _REGISTRY:
         raise ValueError(
             f"attention_backend={name!r} is not known; choose one of {sorted(_REGISTRY)}")
@@ -66,7 +87,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 def _load_builtin_backends() -> None:
     # Imported lazily so that `import microvllm` never imports triton.
-    from microvllm.attention import torch_ref, torch_sdpa  # noqa: F401
+    from microvllm.attention import cpu_backend, torch_ref, torch_sdpa  # noqa: F401
     try:
         from microvllm.attention import triton_backend  # noqa: F401
     except ImportError:  # module not written yet / optional

@@ -76,35 +76,41 @@ def _prefill_one(query, kv_cache, block_table_row, seq_len, scale, sliding_windo
     return out[0].transpose(0, 1)
 
 
-def paged_attention_sdpa(query, kv_cache, metadata: AttentionMetadata, *, scale: float,
-                         sliding_window: int | None = None) -> torch.Tensor:
+def decode_requests(metadata: AttentionMetadata):
+    """The decodes of a step as ``(count, query rows, request ids)``. The runner puts them
+    first (``num_decodes``), so rows and ids are both ``0 .. count-1``: plain slices."""
+    if metadata.num_decodes is not None:
+        n = metadata.num_decodes
+        return n, slice(0, n), slice(0, n)
+    qsl = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
+    decodes = [i for i in range(len(qsl) - 1) if qsl[i + 1] - qsl[i] == 1]
+    return len(decodes), torch.tensor([qsl[i] for i in decodes]), torch.tensor(decodes)
+
+
+def prefill_chunks(query, kv_cache, metadata: AttentionMetadata, out, *, scale: float,
+                   sliding_window: int | None) -> None:
+    """Fill ``out``'s rows of every request with more than one query token: one SDPA each."""
     qsl = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
-    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+    for i, seq_len in enumerate(seq_lens):
+        start, end = qsl[i], qsl[i + 1]
+        if end - start > 1:
+            out[start:end] = _prefill_one(query[start:end], kv_cache, metadata.block_table[i],
+                                          seq_len, scale, sliding_window)
+
+
+def paged_attention_sdpa(query, kv_cache, metadata: AttentionMetadata, *, scale: float,
+                         sliding_window: int | None = None) -> torch.Tensor:
     out = torch.zeros_like(query)
-    block_size = kv_cache.shape[2]
-    if metadata.num_decodes is not None:  # decodes come first: rows 0 .. num_decodes-1
-        num_decodes = metadata.num_decodes
-        if num_decodes:
-            key = ("decode_layout", sliding_window)
-            if key not in metadata.per_step:  # computed by the first layer, reused by the rest
-                metadata.per_step[key] = decode_layout(
-                    metadata.block_table[:num_decodes], metadata.seq_lens[:num_decodes],
-                    block_size, sliding_window, query.dtype)
-            out[:num_decodes] = _decode_batch(query[:num_decodes], kv_cache,
-                                              metadata.per_step[key], scale)
-    else:  # no ordering promised: pick the decode rows out
-        decodes = [i for i, n in enumerate(query_lens) if n == 1]
-        if decodes:
-            rows, index = torch.tensor([qsl[i] for i in decodes]), torch.tensor(decodes)
-            layout = decode_layout(metadata.block_table[index], metadata.seq_lens[index],
-                                   block_size, sliding_window, query.dtype)
-            out[rows] = _decode_batch(query[rows], kv_cache, layout, scale)
-    for i, n in enumerate(query_lens):
-        if n > 1:
-            out[qsl[i]:qsl[i + 1]] = _prefill_one(query[qsl[i]:qsl[i + 1]], kv_cache,
-                                                  metadata.block_table[i], seq_lens[i], scale,
-                                                  sliding_window)
+    num_decodes, rows, requests = decode_requests(metadata)
+    if num_decodes:
+        key = ("decode_layout", sliding_window)
+        if key not in metadata.per_step:  # computed by the first layer, reused by the rest
+            metadata.per_step[key] = decode_layout(
+                metadata.block_table[requests], metadata.seq_lens[requests],
+                kv_cache.shape[2], sliding_window, query.dtype)
+        out[rows] = _decode_batch(query[rows], kv_cache, metadata.per_step[key], scale)
+    prefill_chunks(query, kv_cache, metadata, out, scale=scale, sliding_window=sliding_window)
     return out
 
 

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from microvllm.attention import get_attention_backend
+from microvllm.attention.backend import resolve_backend_name
 from microvllm.models.loader import load_model, resolve_dtype
 from microvllm.config import component
 from microvllm.sample.sampler import Sampler
@@ -32,6 +33,8 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 class Worker:
     def __init__(self, config, model_path, eos_token_ids: set[int]):
         self.config = config
+        # "auto" becomes the name it picks, so that reports show what actually runs.
+        config.attention_backend = resolve_backend_name(config.attention_backend)
         self.backend = get_attention_backend(config.attention_backend)
         dtype = resolve_dtype(config.dtype)
         self.model, self.hf_config = load_model(model_path, self.backend, dtype=config.dtype,

@@ -1,0 +1,179 @@
+// Paged decode attention for CPUs: the C++ twin of triton_kernels/decode.py.
+//
+// Every decode (one new query token per request) attends over its own context,
+// read *in place* from the paged KV cache: no gathered copy of K and V is made,
+// so each cached key and value crosses the memory bus exactly once per layer.
+// On a CPU a decode step is memory-bound, which is why that matters.
+//
+//   query      [num_reqs, num_heads, head_dim]                 (T = float, bf16, fp16)
+//   kv_cache   [2, num_blocks, block_size, num_kv_heads, head_dim]   0 = keys, 1 = values
+//   block_table[num_reqs, max_blocks_per_req]  int32   logical block -> physical block
+//   seq_lens   [num_reqs]                      int32   context length, this token included
+//   out        [num_reqs, num_heads, head_dim]
+//
+// One task per (request r, KV head h); the `group` query heads that share KV head h
+// (grouped-query attention) are handled together, so each key row is loaded once
+// and used `group` times:
+//
+//   key of token t:  kv_cache[0, block_table[r, t / block_size], t % block_size, h, :]
+//
+//   pass 1   scores[g, t] = scale * q[g] . key(t)        for t in the visible window
+//   pass 2   p[g, t] = exp(scores[g, t] - max_t scores[g, :]),  denom[g] = sum_t p[g, t]
+//   pass 3   out[g] = sum_t p[g, t] * value(t) / denom[g]
+//
+// Arithmetic is float32 whatever T is (as in SDPA's CPU kernel). Threads come from the
+// OpenMP runtime torch already loaded, so torch.set_num_threads applies here too.
+// Built and loaded by cpu_kernels/__init__.py; compared with the torch reference in
+// tests/attention/test_cpu_kernel.py.
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct bf16 { uint16_t bits; };   // bfloat16: the top 16 bits of a float32
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+    uint32_t bits = uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+inline float to_float(_Float16 x) { return float(x); }
+
+inline void store(float x, float* out) { *out = x; }
+inline void store(float x, _Float16* out) { *out = _Float16(x); }
+inline void store(float x, bf16* out) {           // round to nearest even, like torch
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {     // NaN stays NaN
+        out->bits = uint16_t((bits >> 16) | 0x40);
+        return;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    out->bits = uint16_t(bits >> 16);
+}
+
+// HEAD_DIM > 0 is a compile-time head size (the common ones: the inner loops unroll
+// into a few vector instructions); 0 reads it at run time.
+template <typename T, int HEAD_DIM>
+void decode(const T* query, const T* kv_cache, const int32_t* block_table,
+            const int32_t* seq_lens, T* out, int num_reqs, int num_heads, int num_kv_heads,
+            int runtime_head_dim, int block_size, int num_blocks, int max_blocks_per_req,
+            float scale, int sliding_window) {
+    const int head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+    const int group = num_heads / num_kv_heads;
+    const int64_t token_stride = int64_t(num_kv_heads) * head_dim;   // next token, same page
+    const int64_t block_stride = block_size * token_stride;          // next page
+    const T* key_cache = kv_cache;
+    const T* value_cache = kv_cache + int64_t(num_blocks) * block_stride;
+
+    #pragma omp parallel
+    {
+        // Per-thread scratch, reused across tasks.
+        std::vector<float> q(group * head_dim), acc(group * head_dim), denom(group), scores;
+
+        // Requests have different lengths: hand tasks out one at a time.
+        #pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < num_reqs * num_kv_heads; ++task) {
+            const int r = task / num_kv_heads, h = task % num_kv_heads;
+            const int seq_len = seq_lens[r];
+            const int first = sliding_window > 0 ? std::max(0, seq_len - sliding_window) : 0;
+            const int n = seq_len - first;
+            const int32_t* table = block_table + int64_t(r) * max_blocks_per_req;
+            auto row = [&](const T* cache, int t) {
+                return cache + table[t / block_size] * block_stride
+                             + (t % block_size) * token_stride + h * head_dim;
+            };
+            const T* q_in = query + (int64_t(r) * num_heads + h * group) * head_dim;
+            for (int i = 0; i < group * head_dim; ++i) q[i] = to_float(q_in[i]) * scale;
+            scores.resize(size_t(group) * n);
+
+            // pass 1: q . k for every visible key
+            for (int t = first; t < seq_len; ++t) {
+                const T* k = row(key_cache, t);
+                for (int g = 0; g < group; ++g) {
+                    const float* qg = &q[g * head_dim];
+                    float s = 0.f;
+                    #pragma omp simd reduction(+ : s)
+                    for (int d = 0; d < head_dim; ++d) s += qg[d] * to_float(k[d]);
+                    scores[size_t(g) * n + (t - first)] = s;
+                }
+            }
+            // pass 2: softmax numerators (max subtracted for range), and their sums
+            for (int g = 0; g < group; ++g) {
+                float* s = &scores[size_t(g) * n];
+                float max = -FLT_MAX;
+                for (int i = 0; i < n; ++i) max = std::max(max, s[i]);
+                float sum = 0.f;
+                #pragma omp simd reduction(+ : sum)
+                for (int i = 0; i < n; ++i) {
+                    s[i] = std::exp(s[i] - max);
+                    sum += s[i];
+                }
+                denom[g] = sum;
+            }
+            // pass 3: the probability-weighted sum of values
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int t = first; t < seq_len; ++t) {
+                const T* v = row(value_cache, t);
+                for (int g = 0; g < group; ++g) {
+                    const float p = scores[size_t(g) * n + (t - first)];
+                    float* a = &acc[g * head_dim];
+                    #pragma omp simd
+                    for (int d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+                }
+            }
+            T* o = out + (int64_t(r) * num_heads + h * group) * head_dim;
+            for (int g = 0; g < group; ++g)
+                for (int d = 0; d < head_dim; ++d) store(acc[g * head_dim + d] / denom[g], &o[g * head_dim + d]);
+        }
+    }
+}
+
+template <typename T>
+void dispatch(const void* query, const void* kv_cache, const int32_t* block_table,
+              const int32_t* seq_lens, void* out, int num_reqs, int num_heads,
+              int num_kv_heads, int head_dim, int block_size, int num_blocks,
+              int max_blocks_per_req, float scale, int sliding_window) {
+    auto run = [&](auto kernel) {
+        kernel(static_cast<const T*>(query), static_cast<const T*>(kv_cache), block_table,
+               seq_lens, static_cast<T*>(out), num_reqs, num_heads, num_kv_heads, head_dim,
+               block_size, num_blocks, max_blocks_per_req, scale, sliding_window);
+    };
+    switch (head_dim) {
+        case 64: run(decode<T, 64>); break;
+        case 128: run(decode<T, 128>); break;
+        default: run(decode<T, 0>);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16, 2 = float16. Called through ctypes.
+void paged_attention_decode(int dtype, const void* query, const void* kv_cache,
+                            const int32_t* block_table, const int32_t* seq_lens, void* out,
+                            int num_reqs, int num_heads, int num_kv_heads, int head_dim,
+                            int block_size, int num_blocks, int max_blocks_per_req,
+                            float scale, int sliding_window) {
+    switch (dtype) {
+        case 0: dispatch<float>(query, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
+                                num_kv_heads, head_dim, block_size, num_blocks,
+                                max_blocks_per_req, scale, sliding_window); break;
+        case 1: dispatch<bf16>(query, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
+                               num_kv_heads, head_dim, block_size, num_blocks,
+                               max_blocks_per_req, scale, sliding_window); break;
+        case 2: dispatch<_Float16>(query, kv_cache, block_table, seq_lens, out, num_reqs,
+                                   num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                                   max_blocks_per_req, scale, sliding_window); break;
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,128 @@
+"""The C++ CPU decode kernel and the "cpu" backend equal the torch reference on fresh
+random inputs (tolerances in cases.py), and the build is cached, isolated and safe.
+
+Decode-only batches use a NaN-poisoned cache (cases.py): the kernel reads pages in
+place, so any slot it should not read would turn its output into NaN. Mixed batches
+are not poisoned, because their prefill chunks go through the SDPA path, which
+gathers whole pages (see test_torch_sdpa.py)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from microvllm.attention import cpu_kernels
+from microvllm.attention.backend import get_attention_backend, resolve_backend_name
+from microvllm.attention.cpu_backend import CPUAttentionBackend
+from microvllm.attention.torch_ref import paged_attention_torch
+from tests.attention.cases import HEADS, WINDOWS, assert_matches, batch_lengths, make_batch, seed_for
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernel_status() is not None,
+                                reason=f"CPU kernel unavailable: {cpu_kernels.kernel_status()}")
+
+
+def decode_inputs(metadata):
+    n = metadata.num_reqs
+    return metadata.block_table[:n].contiguous(), metadata.seq_lens[:n].contiguous()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("window", list(WINDOWS))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_kernel_matches_reference(dtype, heads, window, block_size, request):
+    query_lens, seq_lens = batch_lengths("decode", max(block_size, 4))
+    query, kv_cache, metadata = make_batch(query_lens, seq_lens, heads=heads, block_size=block_size,
+                                           dtype=dtype, seed=seed_for(request.node.name))
+    expected = paged_attention_torch(query, kv_cache, metadata, scale=0.25,
+                                     sliding_window=WINDOWS[window])
+    block_table, lens = decode_inputs(metadata)
+    out = torch.full_like(query, float("nan"))  # rows the kernel forgets stay NaN
+    cpu_kernels.paged_attention_decode(query, kv_cache, block_table, lens, scale=0.25,
+                                       sliding_window=WINDOWS[window], out=out)
+    assert_matches(out, expected, len(query_lens))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # the two compiled sizes and the run-time one
+def test_decode_kernel_head_dims_and_long_contexts(head_dim, request):
+    """Realistic shapes: SmolLM2's 9:3 heads, contexts up to several hundred tokens."""
+    torch.manual_seed(seed_for(request.node.name))
+    seq_lens = torch.randint(1, 700, (12,)).tolist()
+    query, kv_cache, metadata = make_batch([1] * 12, seq_lens, heads="2:1", head_dim=head_dim,
+                                           seed=seed_for(request.node.name))
+    query = torch.randn(12, 9, head_dim)
+    kv_cache = torch.randn(*kv_cache.shape[:3], 3, head_dim)
+    expected = paged_attention_torch(query, kv_cache, metadata, scale=head_dim ** -0.5)
+    got = cpu_kernels.paged_attention_decode(query, kv_cache, *decode_inputs(metadata),
+                                             scale=head_dim ** -0.5)
+    assert_matches(got, expected, 12)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("ordered", [True, False], ids=["decodes-first", "any-order"])
+def test_backend_matches_reference(kind, ordered, request):
+    query_lens, seq_lens = batch_lengths(kind, 16)
+    if ordered:  # the runner's promise: decodes first
+        order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] != 1)
+        query_lens, seq_lens = [query_lens[i] for i in order], [seq_lens[i] for i in order]
+    query, kv_cache, metadata = make_batch(query_lens, seq_lens, heads="4:1",
+                                           seed=seed_for(request.node.name), poison=False)
+    if ordered:
+        metadata.num_decodes = sum(q == 1 for q in query_lens)
+    backend = get_attention_backend("cpu")
+    for window in WINDOWS.values():
+        expected = paged_attention_torch(query, kv_cache, metadata, scale=0.25, sliding_window=window)
+        got = backend.forward(query, kv_cache, metadata, scale=0.25, sliding_window=window)
+        assert_matches(got, expected, len(query))
+
+
+def test_rejects_inputs_it_cannot_take():
+    query, kv_cache, metadata = make_batch([1, 1], [5, 20], heads="2:1")
+    block_table, lens = decode_inputs(metadata)
+    cases = [
+        (dict(query=query.double()), TypeError, "supports"),
+        (dict(kv_cache=kv_cache.half()), TypeError, "share a dtype"),
+        (dict(seq_lens=lens.long()), TypeError, "int32"),
+        (dict(query=query.transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "contiguous"),
+        (dict(seq_lens=lens + 100), ValueError, "block_table holds"),
+        (dict(kv_cache=kv_cache[..., :8].contiguous()), ValueError, "kv_cache must be"),
+    ]
+    for change, error, words in cases:
+        args = dict(query=query, kv_cache=kv_cache, block_table=block_table, seq_lens=lens)
+        args.update(change)
+        with pytest.raises(error, match=words):
+            cpu_kernels.paged_attention_decode(**args, scale=0.25)
+
+
+def test_build_is_cached_and_falls_back_without_a_compiler(tmp_path):
+    """Run in a fresh interpreter: it points the cache somewhere new and breaks the compiler."""
+    script = f"""
+import os, time
+os.environ["MICROVLLM_CACHE_DIR"] = {str(tmp_path)!r}
+from microvllm.attention import cpu_kernels
+from microvllm.attention.backend import resolve_backend_name
+first = cpu_kernels.build()
+assert first.is_relative_to({str(tmp_path)!r}), first
+mtime = first.stat().st_mtime_ns
+assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime   # cached: not rebuilt
+cpu_kernels.load()
+import torch
+tiny = torch.tensor([1e-39]) / 8          # denormal results survive: no flush-to-zero
+assert tiny.item() != 0.0, "loading the kernel switched the process to flush denormals"
+os.environ["MICROVLLM_CACHE_DIR"] = {str(tmp_path / "other")!r}
+os.environ["CXX"] = "/nonexistent/c++"
+cpu_kernels.load.cache_clear(); cpu_kernels.kernel_status.cache_clear()
+reason = cpu_kernels.kernel_status()
+assert reason is not None and "/nonexistent/c++" in reason, reason
+assert resolve_backend_name("auto") == "torch"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_cpu_backend_says_what_to_do_when_the_kernel_is_missing(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "kernel_status", lambda: "no C++ compiler found")
+    with pytest.raises(RuntimeError, match="attention_backend='torch'"):
+        CPUAttentionBackend()
