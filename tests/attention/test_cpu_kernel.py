@@ -126,3 +126,19 @@ def test_cpu_backend_says_what_to_do_when_the_kernel_is_missing(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "kernel_status", lambda: "no C++ compiler found")
     with pytest.raises(RuntimeError, match="attention_backend='torch'"):
         CPUAttentionBackend()
+
+
+@pytest.mark.parametrize("threads", [1, 8], ids=["task-per-request", "task-per-kv-head"])
+def test_both_ways_of_splitting_work_match_the_reference(threads, request):
+    """The kernel splits work by request when there is a request per thread, else by KV
+    head too: 3 requests on 1 thread, and on 8 threads, take the two paths."""
+    query, kv_cache, metadata = make_batch([1, 1, 1], [3, 70, 33], heads="4:1", head_dim=32,
+                                           dtype="f32", seed=seed_for(request.node.name))
+    expected = paged_attention_torch(query, kv_cache, metadata, scale=0.2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)   # the kernel reads OpenMP's thread count, which torch sets
+    try:
+        got = cpu_kernels.paged_attention_decode(query, kv_cache, *decode_inputs(metadata), scale=0.2)
+    finally:
+        torch.set_num_threads(before)
+    assert_matches(got, expected, 3)

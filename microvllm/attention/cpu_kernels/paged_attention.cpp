@@ -11,9 +11,9 @@
 //   seq_lens   [num_reqs]                      int32   context length, this token included
 //   out        [num_reqs, num_heads, head_dim]
 //
-// One task per (request r, KV head h); the `group` query heads that share KV head h
-// (grouped-query attention) are handled together, so each key row is loaded once
-// and used `group` times:
+// Work is split by request (and by KV head when requests are few). The `group` query
+// heads that share KV head h (grouped-query attention) are handled together, so each
+// key row is loaded once and used `group` times:
 //
 //   key of token t:  kv_cache[0, block_table[r, t / block_size], t % block_size, h, :]
 //
@@ -32,6 +32,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include <omp.h>
 
 namespace {
 
@@ -73,65 +75,80 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
     const T* key_cache = kv_cache;
     const T* value_cache = kv_cache + int64_t(num_blocks) * block_stride;
 
+    // A task is one request and a range of its KV heads. With a request per thread or
+    // more, a task takes all heads: it then reads each cached token's row
+    // [num_kv_heads, head_dim] as one contiguous run, which the hardware prefetcher
+    // streams best (measured 1.3x faster than a task per head). With fewer requests
+    // (one long prompt, say) each head is its own task, so that every thread has work.
+    const int heads_per_task = num_reqs >= omp_get_max_threads() ? num_kv_heads : 1;
+    const int tasks_per_req = num_kv_heads / heads_per_task;
+
     #pragma omp parallel
     {
         // Per-thread scratch, reused across tasks.
-        std::vector<float> q(group * head_dim), acc(group * head_dim), denom(group), scores;
+        const int rows = heads_per_task * group;          // query heads in one task
+        std::vector<float> q(rows * head_dim), acc(rows * head_dim), denom(rows), scores;
 
         // Requests have different lengths: hand tasks out one at a time.
         #pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < num_reqs * num_kv_heads; ++task) {
-            const int r = task / num_kv_heads, h = task % num_kv_heads;
+        for (int task = 0; task < num_reqs * tasks_per_req; ++task) {
+            const int r = task / tasks_per_req;
+            const int first_head = (task % tasks_per_req) * heads_per_task;  // a KV head
             const int seq_len = seq_lens[r];
             const int first = sliding_window > 0 ? std::max(0, seq_len - sliding_window) : 0;
             const int n = seq_len - first;
             const int32_t* table = block_table + int64_t(r) * max_blocks_per_req;
-            auto row = [&](const T* cache, int t) {
+            // This task's heads of token t: [heads_per_task, head_dim], contiguous.
+            auto heads_of = [&](const T* cache, int t) {
                 return cache + table[t / block_size] * block_stride
-                             + (t % block_size) * token_stride + h * head_dim;
+                             + (t % block_size) * token_stride + first_head * head_dim;
             };
-            const T* q_in = query + (int64_t(r) * num_heads + h * group) * head_dim;
-            for (int i = 0; i < group * head_dim; ++i) q[i] = to_float(q_in[i]) * scale;
-            scores.resize(size_t(group) * n);
+            // Query rows i = 0 .. rows-1 are query heads first_head*group + i, which
+            // read KV head first_head + i / group.
+            const T* q_in = query + (int64_t(r) * num_heads + first_head * group) * head_dim;
+            for (int i = 0; i < rows * head_dim; ++i) q[i] = to_float(q_in[i]) * scale;
+            scores.resize(size_t(rows) * n);
 
             // pass 1: q . k for every visible key
             for (int t = first; t < seq_len; ++t) {
-                const T* k = row(key_cache, t);
-                for (int g = 0; g < group; ++g) {
-                    const float* qg = &q[g * head_dim];
+                const T* keys = heads_of(key_cache, t);
+                for (int i = 0; i < rows; ++i) {
+                    const T* k = keys + (i / group) * head_dim;
+                    const float* qi = &q[i * head_dim];
                     float s = 0.f;
                     #pragma omp simd reduction(+ : s)
-                    for (int d = 0; d < head_dim; ++d) s += qg[d] * to_float(k[d]);
-                    scores[size_t(g) * n + (t - first)] = s;
+                    for (int d = 0; d < head_dim; ++d) s += qi[d] * to_float(k[d]);
+                    scores[size_t(i) * n + (t - first)] = s;
                 }
             }
             // pass 2: softmax numerators (max subtracted for range), and their sums
-            for (int g = 0; g < group; ++g) {
-                float* s = &scores[size_t(g) * n];
+            for (int i = 0; i < rows; ++i) {
+                float* s = &scores[size_t(i) * n];
                 float max = -FLT_MAX;
-                for (int i = 0; i < n; ++i) max = std::max(max, s[i]);
+                for (int j = 0; j < n; ++j) max = std::max(max, s[j]);
                 float sum = 0.f;
                 #pragma omp simd reduction(+ : sum)
-                for (int i = 0; i < n; ++i) {
-                    s[i] = std::exp(s[i] - max);
-                    sum += s[i];
+                for (int j = 0; j < n; ++j) {
+                    s[j] = std::exp(s[j] - max);
+                    sum += s[j];
                 }
-                denom[g] = sum;
+                denom[i] = sum;
             }
             // pass 3: the probability-weighted sum of values
             std::fill(acc.begin(), acc.end(), 0.f);
             for (int t = first; t < seq_len; ++t) {
-                const T* v = row(value_cache, t);
-                for (int g = 0; g < group; ++g) {
-                    const float p = scores[size_t(g) * n + (t - first)];
-                    float* a = &acc[g * head_dim];
+                const T* values = heads_of(value_cache, t);
+                for (int i = 0; i < rows; ++i) {
+                    const T* v = values + (i / group) * head_dim;
+                    const float p = scores[size_t(i) * n + (t - first)];
+                    float* a = &acc[i * head_dim];
                     #pragma omp simd
                     for (int d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
                 }
             }
-            T* o = out + (int64_t(r) * num_heads + h * group) * head_dim;
-            for (int g = 0; g < group; ++g)
-                for (int d = 0; d < head_dim; ++d) store(acc[g * head_dim + d] / denom[g], &o[g * head_dim + d]);
+            T* o = out + (int64_t(r) * num_heads + first_head * group) * head_dim;
+            for (int i = 0; i < rows; ++i)
+                for (int d = 0; d < head_dim; ++d) store(acc[i * head_dim + d] / denom[i], &o[i * head_dim + d]);
         }
     }
 }
