@@ -69,10 +69,15 @@ def _decode_batch(query, kv_cache, layout, scale):
 def _prefill_one(query, kv_cache, block_table_row, seq_len, scale, sliding_window):
     """One request's chunk ``query [q, heads, d]`` over its context ``[seq_len]``."""
     keys, values = gather_context(kv_cache, block_table_row, seq_len)
-    mask = attention_mask(query.shape[0], seq_len, sliding_window)
+    query_len = query.shape[0]
+    # A whole prompt with nothing cached and no window cutting it is the plain causal
+    # triangle: SDPA's is_causal skips the masked half of the work and needs no mask.
+    plain_causal = query_len == seq_len and (sliding_window is None or sliding_window >= seq_len)
+    mask = None if plain_causal else attention_mask(query_len, seq_len, sliding_window)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True)
+        values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=plain_causal,
+        scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -36,9 +37,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
-LINK_FLAGS = ["-shared", "-fopenmp"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17"]
+LINK_FLAGS = ["-shared"]
+OPENMP = ["-fopenmp"]   # dropped, with a warning, by a compiler that lacks it (Apple clang)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+logger = logging.getLogger("microvllm")
 
 
 class KernelUnavailable(RuntimeError):
@@ -77,7 +80,7 @@ def _cpu_flags() -> str:
 
 def _build_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    parts = [SOURCE.read_bytes().decode(), " ".join(COMPILE_FLAGS + LINK_FLAGS), version,
+    parts = [SOURCE.read_bytes().decode(), " ".join(COMPILE_FLAGS + LINK_FLAGS + OPENMP), version,
              platform.machine(), _cpu_flags()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -93,14 +96,25 @@ def build() -> Path:
     # (a test process and a notebook kernel) never see a half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "paged_attention.o", Path(tmp) / "paged_attention.so"
-        for command in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                        [compiler, *LINK_FLAGS, str(obj), "-o", str(lib)]):
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise KernelUnavailable(f"compiling the CPU attention kernel failed:\n  {' '.join(command)}\n"
-                                        f"{done.stderr.strip()[-2000:]}")
+        try:
+            _compile(compiler, obj, lib, OPENMP)
+        except KernelUnavailable as error:
+            try:
+                _compile(compiler, obj, lib, [])
+            except KernelUnavailable:
+                raise error from None
+            logger.warning("the CPU attention kernel was built without OpenMP (one thread): %s", error)
         os.replace(lib, target)
     return target
+
+
+def _compile(compiler: str, obj: Path, lib: Path, openmp: list[str]) -> None:
+    for command in ([compiler, *COMPILE_FLAGS, *openmp, "-c", str(SOURCE), "-o", str(obj)],
+                    [compiler, *LINK_FLAGS, *openmp, str(obj), "-o", str(lib)]):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"compiling the CPU attention kernel failed:\n  {' '.join(command)}\n"
+                                    f"{done.stderr.strip()[-2000:]}")
 
 
 @functools.lru_cache(maxsize=None)

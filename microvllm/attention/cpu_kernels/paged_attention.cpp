@@ -33,7 +33,11 @@
 #include <cstring>
 #include <vector>
 
+#ifdef _OPENMP
 #include <omp.h>
+#else  // built without OpenMP (a compiler that lacks it): one thread, same results
+inline int omp_get_max_threads() { return 1; }
+#endif
 
 namespace {
 
