@@ -41,33 +41,40 @@ inline int omp_get_max_threads() { return 1; }
 
 namespace {
 
-struct bf16 { uint16_t bits; };   // bfloat16: the top 16 bits of a float32
+// How each element type is stored and turned into float32 and back. Plain integer
+// storage for bfloat16 (not a struct) so that the compiler vectorizes the loops.
+struct Float32 {
+    using storage = float;
+    static float load(float x) { return x; }
+    static float store(float x) { return x; }
+};
 
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) {
-    uint32_t bits = uint32_t(x.bits) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-inline float to_float(_Float16 x) { return float(x); }
-
-inline void store(float x, float* out) { *out = x; }
-inline void store(float x, _Float16* out) { *out = _Float16(x); }
-inline void store(float x, bf16* out) {           // round to nearest even, like torch
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {     // NaN stays NaN
-        out->bits = uint16_t((bits >> 16) | 0x40);
-        return;
+struct BFloat16 {  // the top 16 bits of a float32
+    using storage = uint16_t;
+    static float load(uint16_t x) {
+        uint32_t bits = uint32_t(x) << 16;
+        float f;
+        std::memcpy(&f, &bits, sizeof f);
+        return f;
     }
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    out->bits = uint16_t(bits >> 16);
-}
+    static uint16_t store(float x) {  // round to nearest even, like torch
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);  // NaN
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        return uint16_t(bits >> 16);
+    }
+};
+
+struct Float16 {
+    using storage = _Float16;
+    static float load(_Float16 x) { return float(x); }
+    static _Float16 store(float x) { return _Float16(x); }
+};
 
 // HEAD_DIM > 0 is a compile-time head size (the common ones: the inner loops unroll
 // into a few vector instructions); 0 reads it at run time.
-template <typename T, int HEAD_DIM>
+template <typename Dtype, int HEAD_DIM, typename T = typename Dtype::storage>
 void decode(const T* query, const T* kv_cache, const int32_t* block_table,
             const int32_t* seq_lens, T* out, int num_reqs, int num_heads, int num_kv_heads,
             int runtime_head_dim, int block_size, int num_blocks, int max_blocks_per_req,
@@ -110,7 +117,7 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
             // Query rows i = 0 .. rows-1 are query heads first_head*group + i, which
             // read KV head first_head + i / group.
             const T* q_in = query + (int64_t(r) * num_heads + first_head * group) * head_dim;
-            for (int i = 0; i < rows * head_dim; ++i) q[i] = to_float(q_in[i]) * scale;
+            for (int i = 0; i < rows * head_dim; ++i) q[i] = Dtype::load(q_in[i]) * scale;
             scores.resize(size_t(rows) * n);
 
             // pass 1: q . k for every visible key
@@ -121,7 +128,7 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
                     const float* qi = &q[i * head_dim];
                     float s = 0.f;
                     #pragma omp simd reduction(+ : s)
-                    for (int d = 0; d < head_dim; ++d) s += qi[d] * to_float(k[d]);
+                    for (int d = 0; d < head_dim; ++d) s += qi[d] * Dtype::load(k[d]);
                     scores[size_t(i) * n + (t - first)] = s;
                 }
             }
@@ -147,17 +154,17 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
                     const float p = scores[size_t(i) * n + (t - first)];
                     float* a = &acc[i * head_dim];
                     #pragma omp simd
-                    for (int d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+                    for (int d = 0; d < head_dim; ++d) a[d] += p * Dtype::load(v[d]);
                 }
             }
             T* o = out + (int64_t(r) * num_heads + first_head * group) * head_dim;
             for (int i = 0; i < rows; ++i)
-                for (int d = 0; d < head_dim; ++d) store(acc[i * head_dim + d] / denom[i], &o[i * head_dim + d]);
+                for (int d = 0; d < head_dim; ++d) o[i * head_dim + d] = Dtype::store(acc[i * head_dim + d] / denom[i]);
         }
     }
 }
 
-template <typename T>
+template <typename Dtype, typename T = typename Dtype::storage>
 void dispatch(const void* query, const void* kv_cache, const int32_t* block_table,
               const int32_t* seq_lens, void* out, int num_reqs, int num_heads,
               int num_kv_heads, int head_dim, int block_size, int num_blocks,
@@ -168,9 +175,9 @@ void dispatch(const void* query, const void* kv_cache, const int32_t* block_tabl
                block_size, num_blocks, max_blocks_per_req, scale, sliding_window);
     };
     switch (head_dim) {
-        case 64: run(decode<T, 64>); break;
-        case 128: run(decode<T, 128>); break;
-        default: run(decode<T, 0>);
+        case 64: run(decode<Dtype, 64>); break;
+        case 128: run(decode<Dtype, 128>); break;
+        default: run(decode<Dtype, 0>);
     }
 }
 
@@ -185,13 +192,13 @@ void paged_attention_decode(int dtype, const void* query, const void* kv_cache,
                             int block_size, int num_blocks, int max_blocks_per_req,
                             float scale, int sliding_window) {
     switch (dtype) {
-        case 0: dispatch<float>(query, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
+        case 0: dispatch<Float32>(query, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
                                 num_kv_heads, head_dim, block_size, num_blocks,
                                 max_blocks_per_req, scale, sliding_window); break;
-        case 1: dispatch<bf16>(query, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
+        case 1: dispatch<BFloat16>(query, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
                                num_kv_heads, head_dim, block_size, num_blocks,
                                max_blocks_per_req, scale, sliding_window); break;
-        case 2: dispatch<_Float16>(query, kv_cache, block_table, seq_lens, out, num_reqs,
+        case 2: dispatch<Float16>(query, kv_cache, block_table, seq_lens, out, num_reqs,
                                    num_heads, num_kv_heads, head_dim, block_size, num_blocks,
                                    max_blocks_per_req, scale, sliding_window); break;
     }
