@@ -52,13 +52,19 @@ class RotaryEmbedding(nn.Module):
         self.cos = (angles.cos() * scaling).to(device)
         self.sin = (angles.sin() * scaling).to(device)
 
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [T, 1, d/2]`` for these positions. Every layer of a step rotates by
+        the same angles, so the model looks them up once per step and passes them down."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         """Rotate ``query [T, num_heads, d]`` and ``key [T, num_kv_heads, d]``."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        cos, sin = self.cos_sin(positions)
+        return rotate(query, cos, sin), rotate(key, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate every head of ``x [T, heads, d]`` by the angles of its token (``cos, sin``
+    from ``cos_sin``). Heads are independent, so queries and keys can go in one call."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -26,13 +26,13 @@ from microvllm.layers.activation import silu_and_mul
 from microvllm.layers.attention import Attention
 from microvllm.layers.layernorm import RMSNorm
 from microvllm.layers.linear import Linear, PackedGemm
-from microvllm.layers.rotary_embedding import RotaryEmbedding
+from microvllm.layers.rotary_embedding import RotaryEmbedding, rotate
 from microvllm.models.kv_cache_layout import KVCacheLayout
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, layout: KVCacheLayout, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, qk_norm: bool):
+    def __init__(self, config, layer_idx: int, layout: KVCacheLayout, backend: AttentionBackend,
+                 qk_norm: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -42,7 +42,6 @@ class LlamaAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
-        self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         group = layout.layer_to_group[layer_idx]
@@ -51,15 +50,15 @@ class LlamaAttention(nn.Module):
                               sliding_window=layout.groups[group].sliding_window,
                               kv_cache_group=group)
 
-    def forward(self, positions, hidden, kv_cache, metadata: AttentionMetadata):
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, cos_sin, hidden, kv_cache, metadata: AttentionMetadata):
+        """``cos_sin``: this step's RoPE angles (``RotaryEmbedding.cos_sin``), shared by all layers."""
+        heads = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:  # Qwen3: normalise each head before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = rotate(self.q_norm(q), *cos_sin), rotate(self.k_norm(k), *cos_sin)
+        else:  # q and k heads sit side by side: rotate them in one go
+            q, k = rotate(heads[:, :self.num_heads + self.num_kv_heads], *cos_sin).split(
+                [self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
 
 
@@ -77,15 +76,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx, layout, rotary, backend, qk_norm):
+    def __init__(self, config, layer_idx, layout, backend, qk_norm):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, layout, rotary, backend, qk_norm)
+        self.self_attn = LlamaAttention(config, layer_idx, layout, backend, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, hidden, kv_cache, metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+    def forward(self, cos_sin, hidden, kv_cache, metadata):
+        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -101,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.layout, self.rotary, backend, self.qk_norm)
+            LlamaDecoderLayer(config, i, self.layout, backend, self.qk_norm)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -117,9 +116,10 @@ class LlamaForCausalLM(nn.Module):
         Returns the final hidden states ``[T, hidden]`` (logits are computed separately,
         only for the rows that need them)."""
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)  # once per step, not once per layer
         for i, layer in enumerate(self.layers):
             metadata = attn_metadata[self.layout.layer_to_group[i]]
-            hidden = layer(positions, hidden, kv_caches[i], metadata)
+            hidden = layer(cos_sin, hidden, kv_caches[i], metadata)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,8 @@ def test_where_the_time_goes_sorts_ops_by_kind():
 
     events = [SimpleNamespace(key=k, self_cpu_time_total=us) for k, us in [
         ("mkldnn::_linear_pointwise", 6000.0), ("aten::mm", 2000.0),             # projections
-        ("aten::index_select", 3000.0), ("aten::_scaled_dot_product_flash_attention_for_cpu", 5000.0),
+        ("aten::index_select", 3000.0), ("aten::_scaled_dot_product_flash_attention_for_cpu", 3000.0),
+        ("microvllm::paged_attention_decode", 2000.0),                          # attention
         ("aten::mul", 4000.0)]]                                                  # other
     line = where_the_time_goes(events, num_steps=2)
     assert "projections 4.0 ms (40%)" in line
