@@ -62,13 +62,22 @@ class PackedGemm:
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self._usable(x, weight, bias):
             return F.linear(x, weight, bias)
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._pack(weight),
+                                                 bias, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    def prepack(self, weight: torch.Tensor) -> None:
+        """Pack ``weight`` now (the loader does, as vLLM packs at load time) so that the
+        first step does not pay for it; a no-op where packing does not apply."""
+        if _AVAILABLE and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES:
+            self._pack(weight)
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), weight.dtype, _version(weight), tuple(weight.shape))
         if key != self._key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self._key = key
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed, bias,
-                                                 "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return self._packed
 
     @staticmethod
     def _usable(x, weight, bias) -> bool:

@@ -123,8 +123,18 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return self.logits_gemm(hidden, weight)
+        return self.logits_gemm(hidden, self.logits_weight)
+
+    @property
+    def logits_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def prepack_weights(self) -> None:
+        """Pack every projection's weight for the CPU matmul once, after loading."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gemm.prepack(module.weight)
+        self.logits_gemm.prepack(self.logits_weight)
 
     # Hugging Face checkpoint names -> our fused parameters: (ours, theirs, shard index).
     stacked_params = [

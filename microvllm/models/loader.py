@@ -63,7 +63,9 @@ def load_model(model_path: str | Path, backend, dtype="float32", max_position: i
     model = model.to_empty(device=device)
     model.rotary.build_table(device)  # buffers are not in the checkpoint
     load_weights(model, Path(model_path))
-    return model.to(torch_dtype).eval(), config
+    model = model.to(torch_dtype).eval()
+    model.prepack_weights()  # the CPU matmul's packed copies, made now rather than at step 1
+    return model, config
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:

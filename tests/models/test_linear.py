@@ -65,3 +65,21 @@ def test_shared_weight_gemm():
     with torch.inference_mode():
         torch.testing.assert_close(gemm(hidden, embedding.weight),
                                    hidden @ embedding.weight.T, **TOL[torch.float32])
+
+
+@pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN linear ops")
+def test_loaded_models_come_prepacked(tmp_path):
+    """The loader packs every projection and the logits weight, so step 1 packs nothing;
+    the packs are the ones the calls then use (same key: no second pack)."""
+    from microvllm.attention import get_attention_backend
+    from microvllm.models.loader import load_model
+    from microvllm.models.tiny import make_tiny_model
+
+    model, _ = load_model(make_tiny_model(tmp_path / "llama", "llama"), get_attention_backend("torch"))
+    gemms = [m.gemm for m in model.modules() if isinstance(m, Linear)] + [model.logits_gemm]
+    assert gemms and all(g._packed is not None for g in gemms)
+    before = [g._packed for g in gemms]
+    layer = next(m for m in model.modules() if isinstance(m, Linear))
+    with torch.inference_mode():
+        layer(torch.randn(8, layer.in_features))
+    assert all(g._packed is b for g, b in zip(gemms, before))
