@@ -38,6 +38,10 @@ import torch
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17"]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    # GCC vectorizes with 256-bit registers on AVX-512 CPUs unless asked; 512-bit made
+    # the kernel 10% (float32) to 20% (bfloat16) faster on a Sapphire Rapids Xeon.
+    COMPILE_FLAGS.append("-mprefer-vector-width=512")
 LINK_FLAGS = ["-shared"]
 OPENMP = ["-fopenmp"]   # dropped, with a warning, by a compiler that lacks it (Apple clang)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
