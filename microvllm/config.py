@@ -63,7 +63,8 @@ class EngineConfig:
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend={self.attention_backend!r} must be a backend name such as 'torch'")
         from microvllm.attention import available_backends  # registers the built-in ones (no triton import)
-        if self.attention_backend != "auto" and self.attention_backend not in available_backends():
+        from microvllm.attention.backend import AUTO
+        if self.attention_backend != AUTO and self.attention_backend not in available_backends():
             raise ValueError(f"attention_backend={self.attention_backend!r} is not known; "
                              f"choose 'auto' or one of {available_backends()}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

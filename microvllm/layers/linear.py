@@ -69,7 +69,7 @@ class PackedGemm:
     def prepack(self, weight: torch.Tensor) -> None:
         """Pack ``weight`` now (the loader does, as vLLM packs at load time) so that the
         first step does not pay for it; a no-op where packing does not apply."""
-        if _AVAILABLE and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES:
+        if _packable(weight):
             self._pack(weight)
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -81,13 +81,17 @@ class PackedGemm:
 
     @staticmethod
     def _usable(x, weight, bias) -> bool:
-        return (_AVAILABLE and x.device.type == "cpu" and weight.device.type == "cpu"
-                and x.dtype == weight.dtype and weight.dtype in _PACKED_DTYPES
+        return (_packable(weight) and x.device.type == "cpu" and x.dtype == weight.dtype
                 and (bias is None or bias.dtype == weight.dtype)
                 and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
                 and x.shape[-1] == weight.shape[1] and x.numel() > 0
                 and (weight.dtype != torch.float32
                      or FLOAT32_MIN_ROWS <= x.numel() // x.shape[-1] <= FLOAT32_MAX_ROWS))
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can pack this weight here at all (the inputs are checked per call)."""
+    return _AVAILABLE and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES
 
 
 def _version(tensor: torch.Tensor) -> int:

@@ -16,6 +16,7 @@ from microvllm.attention import cpu_kernels
 from microvllm.attention.backend import get_attention_backend, resolve_backend_name
 from microvllm.attention.cpu_backend import CPUAttentionBackend
 from microvllm.attention.torch_ref import paged_attention_torch
+from microvllm.bench.attention import random_paged_batch
 from tests.attention.cases import HEADS, WINDOWS, assert_matches, batch_lengths, make_batch, seed_for
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernel_status() is not None,
@@ -47,12 +48,10 @@ def test_decode_kernel_matches_reference(dtype, heads, window, block_size, reque
 @pytest.mark.parametrize("head_dim", [64, 128, 24])  # the two compiled sizes and the run-time one
 def test_decode_kernel_head_dims_and_long_contexts(head_dim, request):
     """Realistic shapes: SmolLM2's 9:3 heads, contexts up to several hundred tokens."""
-    torch.manual_seed(seed_for(request.node.name))
-    seq_lens = torch.randint(1, 700, (12,)).tolist()
-    query, kv_cache, metadata = make_batch([1] * 12, seq_lens, heads="2:1", head_dim=head_dim,
-                                           seed=seed_for(request.node.name))
-    query = torch.randn(12, 9, head_dim)
-    kv_cache = torch.randn(*kv_cache.shape[:3], 3, head_dim)
+    seed = seed_for(request.node.name)
+    seq_lens = torch.randint(1, 700, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    query, kv_cache, metadata = random_paged_batch([1] * 12, seq_lens, num_heads=9, num_kv_heads=3,
+                                                   head_dim=head_dim, block_size=16, seed=seed)
     expected = paged_attention_torch(query, kv_cache, metadata, scale=head_dim ** -0.5)
     got = cpu_kernels.paged_attention_decode(query, kv_cache, *decode_inputs(metadata),
                                              scale=head_dim ** -0.5)

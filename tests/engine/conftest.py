@@ -33,6 +33,22 @@ def hf_greedy(folder, prompt_ids: tuple, max_new_tokens: int) -> tuple:
     return tuple(out[0, len(prompt_ids):].tolist())
 
 
+def greedy_by_backend(folder, prompts, backends, max_tokens: int = 12, **settings) -> dict:
+    """Greedy token ids for ``prompts`` from one engine per attention backend (same settings
+    otherwise), and the backend name each engine resolved to: ``{name: (resolved, ids)}``."""
+    from microvllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = {}
+    for backend in backends:
+        llm = LLM(str(folder), attention_backend=backend, max_model_len=128,
+                  max_num_batched_tokens=32, debug_invariants=True, **settings)
+        ids = [o.outputs[0].token_ids for o in
+               llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        outs[backend] = (llm.engine.config.attention_backend, ids)
+    return outs
+
+
 def varied_prompts(vocab: int, count: int = 16, seed: int = 0, max_len: int = 60) -> list[list[int]]:
     """``count`` prompts of varied lengths; half share a 21-token prefix (ends mid-block
     for block size 16), and two are identical."""
