@@ -24,6 +24,18 @@ plain path does at memory speed (27.8 ms vs 34.6 ms for the model's 120
 projections), so those stay on ``F.linear``; so do float32 prefills of more than
 256 rows, where the pack is a small share and MKL measured as fast or faster. The
 results differ from ``F.linear`` by float rounding only (~1e-6 relative in float32).
+
+bfloat16 on a CPU with AMX matrix units goes through our own kernel instead
+(``layers/cpu_kernels/amx_linear.cpp``), with the weight packed into AMX tiles: at
+decode sizes oneDNN streamed the weights at 5-9 GB/s, the kernel at 12-20 GB/s
+(1.5-2x faster per step's projections, 1-32 rows), and it matches oneDNN at prefill
+sizes, so it takes every row count. vLLM does the same on AMX CPUs:
+``dispatch_cpu_unquantized_gemm`` packs with ``convert_weight_packed`` and calls
+``weight_packed_linear`` (``csrc/cpu/sgl-kernels/gemm.cpp``, from SGLang)::
+
+    float32                     F.linear (1-2 or >256 rows) | oneDNN pack (3-256 rows)
+    bfloat16, AMX CPU           AMX tiles (any row count)
+    bfloat16 elsewhere          oneDNN pack
 """
 
 from __future__ import annotations
@@ -31,6 +43,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from microvllm.layers import cpu_kernels
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # float32 inputs with fewer or more rows than these use F.linear (see above).
@@ -48,7 +62,8 @@ _AVAILABLE = packing_available()
 
 
 class PackedGemm:
-    """``y = x @ weight.T (+ bias)`` with ``weight`` packed for oneDNN on first use.
+    """``y = x @ weight.T (+ bias)`` with ``weight`` packed on first use: into AMX tiles
+    (bfloat16 on an AMX CPU) or for oneDNN (see the module docstring).
 
     The pack is a copy: it is rebuilt whenever the weight changes (another tensor,
     another dtype, or an in-place update such as loading a checkpoint), so callers
@@ -60,38 +75,53 @@ class PackedGemm:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not self._usable(x, weight, bias):
+        kind = _packing(weight)
+        if kind is None or not _usable(x, weight, bias):
             return F.linear(x, weight, bias)
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._pack(weight),
-                                                 bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        if kind == "amx":
+            out = cpu_kernels.amx_linear(rows, self._pack(weight, kind), bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self._pack(weight, kind), bias,
+                                                     "none", [], "")
         return out.view(*x.shape[:-1], weight.shape[0])
 
     def prepack(self, weight: torch.Tensor) -> None:
         """Pack ``weight`` now (the loader does, as vLLM packs at load time) so that the
         first step does not pay for it; a no-op where packing does not apply."""
-        if _packable(weight):
-            self._pack(weight)
+        kind = _packing(weight)
+        if kind is not None:
+            self._pack(weight, kind)
 
-    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight.dtype, _version(weight), tuple(weight.shape))
+    def _pack(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
+        key = (weight.data_ptr(), weight.dtype, _version(weight), tuple(weight.shape), kind)
         if key != self._key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            if kind == "amx":
+                self._packed = cpu_kernels.pack_weight(weight)
+            else:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self._key = key
         return self._packed
 
-    @staticmethod
-    def _usable(x, weight, bias) -> bool:
-        return (_packable(weight) and x.device.type == "cpu" and x.dtype == weight.dtype
-                and (bias is None or bias.dtype == weight.dtype)
-                and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-                and x.shape[-1] == weight.shape[1] and x.numel() > 0
-                and (weight.dtype != torch.float32
-                     or FLOAT32_MIN_ROWS <= x.numel() // x.shape[-1] <= FLOAT32_MAX_ROWS))
+
+def _packing(weight: torch.Tensor) -> str | None:
+    """How this weight is packed here: ``"amx"``, ``"onednn"``, or None (``F.linear``)."""
+    if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
+        return None
+    if weight.dtype == torch.bfloat16 and cpu_kernels.supports(weight):
+        return "amx"
+    return "onednn" if _AVAILABLE else None
 
 
-def _packable(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can pack this weight here at all (the inputs are checked per call)."""
-    return _AVAILABLE and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES
+def _usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether this call can use the pack (else ``F.linear``, same result)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.device.type == "cpu" and x.dtype == weight.dtype
+            and (bias is None or bias.dtype == weight.dtype)
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
+            and x.shape[-1] == weight.shape[1] and rows > 0
+            and (weight.dtype != torch.float32 or FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS))
 
 
 def _version(tensor: torch.Tensor) -> int:

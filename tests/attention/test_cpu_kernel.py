@@ -98,7 +98,7 @@ def test_build_is_cached_and_falls_back_without_a_compiler(tmp_path):
     """Run in a fresh interpreter: it points the cache somewhere new and breaks the compiler."""
     script = f"""
 import os, time
-os.environ["MICROVLLM_CACHE_DIR"] = {str(tmp_path)!r}
+os.environ["MICROVLLM_CACHE"] = {str(tmp_path)!r}
 from microvllm.attention import cpu_kernels
 from microvllm.attention.backend import resolve_backend_name
 first = cpu_kernels.build()
@@ -109,7 +109,7 @@ cpu_kernels.load()
 import torch
 tiny = torch.tensor([1e-39]) / 8          # denormal results survive: no flush-to-zero
 assert tiny.item() != 0.0, "loading the kernel switched the process to flush denormals"
-os.environ["MICROVLLM_CACHE_DIR"] = {str(tmp_path / "other")!r}
+os.environ["MICROVLLM_CACHE"] = {str(tmp_path / "other")!r}
 os.environ["CXX"] = "/nonexistent/c++"
 cpu_kernels.load.cache_clear(); cpu_kernels.kernel_status.cache_clear()
 reason = cpu_kernels.kernel_status()

@@ -1,21 +1,9 @@
-"""Build, cache and call the C++ paged-attention kernel for CPUs (``paged_attention.cpp``).
+"""Call the C++ paged-attention kernel for CPUs (``paged_attention.cpp``).
 
-The kernel is plain C++ with OpenMP and no torch headers, so it compiles in about a
-second with the system compiler. The build is cached on disk, keyed by everything
-that changes the binary (source, flags, compiler, this CPU's features)::
-
-    $MICROVLLM_CACHE_DIR (default ~/.cache/microvllm)/cpu_kernels/<key>/paged_attention.so
-
-and loaded with ctypes. Tensors cross as raw pointers; the Python side checks their
-dtypes, shapes and contiguity first, because C++ cannot.
-
-Two details that matter:
-
-* ``-march=native`` uses this CPU's vector units (AVX-512 here); the CPU flags are in
-  the cache key, so a shared home directory never hands one machine another's build.
-* The library is compiled with ``-ffast-math`` (so ``exp`` vectorizes) but *linked*
-  without it: GCC before 13 would otherwise link ``crtfastmath.o``, which switches the
-  whole process to flush denormals to zero, torch included.
+The kernel is compiled on first use and cached on disk by ``microvllm.cpp_extension``
+(``-march=native``, OpenMP from the runtime torch already loaded), then loaded with
+ctypes. Tensors cross as raw pointers; ``check_inputs`` checks their dtypes, shapes
+and contiguity first, because C++ cannot.
 
 ``kernel_status()`` says whether the kernel can be used here and, if not, why; the
 ``"auto"`` backend falls back to the torch one in that case.
@@ -25,100 +13,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from microvllm import cpp_extension
+from microvllm.cpp_extension import KernelUnavailable
+
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17"]
-if platform.machine().lower() in ("x86_64", "amd64"):
-    # GCC vectorizes with 256-bit registers on AVX-512 CPUs unless asked; 512-bit made
-    # the kernel 10% (float32) to 20% (bfloat16) faster on a Sapphire Rapids Xeon.
-    COMPILE_FLAGS.append("-mprefer-vector-width=512")
-LINK_FLAGS = ["-shared"]
-OPENMP = ["-fopenmp"]   # dropped, with a warning, by a compiler that lacks it (Apple clang)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-logger = logging.getLogger("microvllm")
-
-
-class KernelUnavailable(RuntimeError):
-    """The C++ kernel could not be built or loaded here; the message says why."""
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("MICROVLLM_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "microvllm"
-
-
-def _compiler() -> str:
-    chosen = os.environ.get("CXX")
-    if chosen:
-        if shutil.which(chosen) is None:
-            raise KernelUnavailable(f"CXX={chosen!r} is not a compiler found on this machine; "
-                                    "fix CXX or unset it")
-        return chosen
-    for name in ("c++", "g++", "clang++"):
-        if shutil.which(name):
-            return name
-    raise KernelUnavailable("no C++ compiler found: install g++ (or set CXX to one)")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build_key(compiler: str) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    parts = [SOURCE.read_bytes().decode(), " ".join(COMPILE_FLAGS + LINK_FLAGS + OPENMP), version,
-             platform.machine(), _cpu_flags()]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def build() -> Path:
     """Compile ``paged_attention.cpp`` unless this exact build is cached; return the .so path."""
-    compiler = _compiler()
-    target = cache_dir() / "cpu_kernels" / _build_key(compiler) / "paged_attention.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a private temporary folder, then rename into place: concurrent builds
-    # (a test process and a notebook kernel) never see a half-written library.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "paged_attention.o", Path(tmp) / "paged_attention.so"
-        try:
-            _compile(compiler, obj, lib, OPENMP)
-        except KernelUnavailable as error:
-            try:
-                _compile(compiler, obj, lib, [])
-            except KernelUnavailable:
-                raise error from None
-            logger.warning("the CPU attention kernel was built without OpenMP (one thread): %s", error)
-        os.replace(lib, target)
-    return target
-
-
-def _compile(compiler: str, obj: Path, lib: Path, openmp: list[str]) -> None:
-    for command in ([compiler, *COMPILE_FLAGS, *openmp, "-c", str(SOURCE), "-o", str(obj)],
-                    [compiler, *LINK_FLAGS, *openmp, str(obj), "-o", str(lib)]):
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"compiling the CPU attention kernel failed:\n  {' '.join(command)}\n"
-                                    f"{done.stderr.strip()[-2000:]}")
+    return cpp_extension.build(SOURCE)
 
 
 @functools.lru_cache(maxsize=None)

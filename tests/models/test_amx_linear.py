@@ -1,0 +1,152 @@
+"""The AMX bfloat16 linear kernel (``layers/cpu_kernels``) against float32 math and torch.
+
+Fresh random inputs per test (seeded by the test's name). Skipped where the kernel
+cannot run (no AMX CPU, old Linux, no compiler); the fallback is tested everywhere."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from microvllm.layers import cpu_kernels
+from microvllm.layers.linear import Linear
+from tests.attention.cases import seed_for
+
+needs_amx = pytest.mark.skipif(cpu_kernels.kernel_status() is not None,
+                               reason=f"AMX kernel unavailable: {cpu_kernels.kernel_status()}")
+ROWS = [1, 5, 16, 17, 32, 33, 70]
+SHAPES = [(16, 32), (48, 64), (160, 96), (960, 576), (576, 1536)]   # (N, K); 48: odd n blocks
+
+
+def random_case(request, rows, n, k, bias):
+    g = torch.Generator().manual_seed(seed_for(request.node.name))
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("n,k", SHAPES, ids=[f"N{n}-K{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("rows", ROWS, ids=[f"M{m}" for m in ROWS])
+def test_matches_float32_math(rows, n, k, bias, request):
+    """The exact product of the bf16 inputs, rounded once to bf16: at most one bf16 step
+    (2**-8 relative) apart, from float32 summation order."""
+    x, w, b = random_case(request, rows, n, k, bias)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = cpu_kernels.amx_linear(x, cpu_kernels.pack_weight(w), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    err = (got.double() - exact).abs()
+    assert (err <= exact.abs() * 2 ** -8 + 1e-3).all(), f"worst error {err.max():.3g}"
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 17, 32, 1024], ids=lambda m: f"M{m}")
+def test_bit_identical_to_torch_bf16_matmul(rows, request):
+    """torch's own bf16 matmul on an AMX CPU (oneDNN) also sums in k order in float32
+    tiles: same bits at decode sizes (and at 1024 rows), so the kernel changes no greedy
+    token there. (At 33-128 rows oneDNN takes another path: about 1 output in 10,000
+    differs by one bf16 step, measured on a Sapphire Rapids Xeon, torch 2.13.)"""
+    x, w, b = random_case(request, rows, 960, 576, bias=True)
+    assert torch.equal(cpu_kernels.amx_linear(x, cpu_kernels.pack_weight(w), b), F.linear(x, w, b))
+
+
+@needs_amx
+def test_pack_layout():
+    """packed[nb, kb, r, n, e] = W[16*nb + n, 32*kb + 2*r + e]."""
+    w = torch.arange(32 * 64).reshape(32, 64).to(torch.float32)
+    packed = cpu_kernels.pack_weight(w.to(torch.bfloat16)).float()
+    assert packed.shape == (2, 2, 16, 16, 2)
+    for nb, kb, r, n, e in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 0, 3, 5, 1), (1, 1, 15, 15, 1)]:
+        assert packed[nb, kb, r, n, e] == w.to(torch.bfloat16).float()[16 * nb + n, 32 * kb + 2 * r + e]
+
+
+@needs_amx
+def test_thread_count_does_not_change_the_bits(request):
+    x, w, b = random_case(request, 40, 3072, 576, bias=False)
+    packed = cpu_kernels.pack_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.amx_linear(x, packed)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(cpu_kernels.amx_linear(x, packed), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_bad_inputs_are_refused_with_what_to_change():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    packed = cpu_kernels.pack_weight(w)
+    with pytest.raises(ValueError, match=r"bfloat16 \[M, 64\]"):
+        cpu_kernels.amx_linear(torch.randn(3, 64), packed)                       # float32 x
+    with pytest.raises(ValueError, match=r"bfloat16 \[M, 64\]"):
+        cpu_kernels.amx_linear(torch.randn(3, 48).to(torch.bfloat16), packed)    # wrong K
+    with pytest.raises(ValueError, match=r"bias must be bfloat16 \[32\]"):
+        cpu_kernels.amx_linear(torch.randn(3, 64).to(torch.bfloat16), packed, torch.zeros(16).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="K % 32 == 0"):
+        cpu_kernels.pack_weight(torch.randn(32, 40).to(torch.bfloat16))
+    x = torch.randn(64, 3).to(torch.bfloat16).T                                  # not contiguous: copied
+    torch.testing.assert_close(cpu_kernels.amx_linear(x, cpu_kernels.pack_weight(torch.randn(32, 64).to(torch.bfloat16))).shape,
+                               torch.Size([3, 32]))
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k,kind", [(160, 96, "amx"), (100, 40, "onednn")], ids=["tiles", "not-tiles"])
+def test_packed_gemm_routes_bfloat16_weights(n, k, kind):
+    """Whole-tile bf16 weights go to the AMX kernel at every row count; others to oneDNN."""
+    layer = Linear(k, n).to(torch.bfloat16)
+    for rows in (1, 300):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
+        assert layer.gemm._key[-1] == kind
+
+
+def test_without_amx_the_kernel_says_why_and_bfloat16_uses_onednn():
+    """Run in a fresh interpreter that pretends the CPU has no AMX."""
+    script = """
+import torch
+from microvllm import cpp_extension
+cpp_extension.cpu_flags = lambda: {"avx512f"}
+from microvllm.layers import cpu_kernels
+from microvllm.layers.linear import Linear, packing_available
+reason = cpu_kernels.kernel_status()
+assert reason is not None and "amx_tile" in reason, reason
+layer = Linear(64, 32).to(torch.bfloat16)
+with torch.inference_mode():
+    layer(torch.randn(4, 64).to(torch.bfloat16))
+assert layer.gemm._key is None if not packing_available() else layer.gemm._key[-1] == "onednn"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@needs_amx
+def test_bfloat16_engine_tokens_do_not_change_with_the_kernel(tmp_path, monkeypatch):
+    """A bf16 engine (batches of at most 32 rows: the bit-identical sizes) generates the
+    same greedy tokens with the kernel as with oneDNN, and the kernel is really used."""
+    from microvllm import LLM, SamplingParams
+    from microvllm.models.tiny import make_tiny_model
+    from tests.engine.conftest import varied_prompts
+
+    folder = make_tiny_model(tmp_path / "llama", "llama", seed=7)   # every shape is whole tiles
+    prompts = [{"prompt_token_ids": p} for p in varied_prompts(512, count=6, seed=3, max_len=40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def generate():
+        llm = LLM(str(folder), dtype="bfloat16", max_model_len=128, max_num_batched_tokens=32)
+        kinds = {m.gemm._key[-1] for m in llm.engine.executor.worker.model.modules()
+                 if isinstance(m, Linear)}
+        return kinds, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    kinds_on, tokens_on = generate()
+    monkeypatch.setattr(cpu_kernels, "supports", lambda weight: False)
+    kinds_off, tokens_off = generate()
+    assert kinds_on == {"amx"} and kinds_off == {"onednn"}
+    assert tokens_on == tokens_off
