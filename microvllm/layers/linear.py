@@ -25,17 +25,19 @@ projections), so those stay on ``F.linear``; so do float32 prefills of more than
 256 rows, where the pack is a small share and MKL measured as fast or faster. The
 results differ from ``F.linear`` by float rounding only (~1e-6 relative in float32).
 
-bfloat16 on a CPU with AMX matrix units goes through our own kernel instead
-(``layers/cpu_kernels/amx_linear.cpp``), with the weight packed into AMX tiles: at
-decode sizes oneDNN streamed the weights at 5-9 GB/s, the kernel at 12-20 GB/s
-(1.5-2x faster per step's projections, 1-32 rows), and it matches oneDNN at prefill
-sizes, so it takes every row count. vLLM does the same on AMX CPUs:
+bfloat16 on a CPU with AMX matrix units goes through our own kernel at decode sizes
+(``layers/cpu_kernels/amx_linear.cpp``), with the weight packed into AMX tiles: with
+1-32 rows oneDNN streamed the weights at 5-9 GB/s, the kernel at 12-20 GB/s (1.5-2x
+faster per step's projections). With more rows oneDNN's blocking wins (1.2-1.6x at
+64-1024 rows), so those keep its pack. Both packs are made at load time: one more
+copy of the weights, for never being slower. vLLM does the same on AMX CPUs:
 ``dispatch_cpu_unquantized_gemm`` packs with ``convert_weight_packed`` and calls
 ``weight_packed_linear`` (``csrc/cpu/sgl-kernels/gemm.cpp``, from SGLang)::
 
-    float32                     F.linear (1-2 or >256 rows) | oneDNN pack (3-256 rows)
-    bfloat16, AMX CPU           AMX tiles (any row count)
-    bfloat16 elsewhere          oneDNN pack
+    rows per call           1-2        3-32        33-256        >256
+    float32                 F.linear   oneDNN pack oneDNN pack   F.linear
+    bfloat16, AMX CPU       AMX tiles  AMX tiles   oneDNN pack   oneDNN pack
+    bfloat16 elsewhere      oneDNN pack (every row count)
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from microvllm.layers import cpu_kernels
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # float32 inputs with fewer or more rows than these use F.linear (see above).
 FLOAT32_MIN_ROWS, FLOAT32_MAX_ROWS = 3, 256
+# bfloat16 inputs with at most this many rows use the AMX kernel, where it is usable.
+AMX_MAX_ROWS = 32
 
 
 def packing_available() -> bool:
@@ -62,21 +66,21 @@ _AVAILABLE = packing_available()
 
 
 class PackedGemm:
-    """``y = x @ weight.T (+ bias)`` with ``weight`` packed on first use: into AMX tiles
-    (bfloat16 on an AMX CPU) or for oneDNN (see the module docstring).
+    """``y = x @ weight.T (+ bias)`` with ``weight`` packed once, for oneDNN and (bfloat16
+    on an AMX CPU) into AMX tiles; each call uses the pack that suits its row count.
 
-    The pack is a copy: it is rebuilt whenever the weight changes (another tensor,
+    The packs are copies: they are rebuilt whenever the weight changes (another tensor,
     another dtype, or an in-place update such as loading a checkpoint), so callers
     never see a stale result."""
 
     def __init__(self):
-        self._packed: torch.Tensor | None = None
+        self._packs: dict[str, torch.Tensor] = {}   # "amx" / "onednn" -> packed weight
         self._key: tuple | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        kind = _packing(weight)
-        if kind is None or not _usable(x, weight, bias):
+        kind = _packing(x, weight, bias)
+        if kind is None:
             return F.linear(x, weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         if kind == "amx":
@@ -87,41 +91,49 @@ class PackedGemm:
         return out.view(*x.shape[:-1], weight.shape[0])
 
     def prepack(self, weight: torch.Tensor) -> None:
-        """Pack ``weight`` now (the loader does, as vLLM packs at load time) so that the
-        first step does not pay for it; a no-op where packing does not apply."""
-        kind = _packing(weight)
-        if kind is not None:
+        """Make every pack ``weight`` can use here now (the loader does, as vLLM packs at
+        load time), so that no step pays for one; a no-op where packing does not apply."""
+        for kind in _packings(weight):
             self._pack(weight, kind)
 
     def _pack(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
-        key = (weight.data_ptr(), weight.dtype, _version(weight), tuple(weight.shape), kind)
+        key = (weight.data_ptr(), weight.dtype, _version(weight), tuple(weight.shape))
         if key != self._key:
+            self._packs, self._key = {}, key
+        if kind not in self._packs:
             if kind == "amx":
-                self._packed = cpu_kernels.pack_weight(weight)
+                self._packs[kind] = cpu_kernels.pack_weight(weight)
             else:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            self._key = key
-        return self._packed
+                self._packs[kind] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        return self._packs[kind]
 
 
-def _packing(weight: torch.Tensor) -> str | None:
-    """How this weight is packed here: ``"amx"``, ``"onednn"``, or None (``F.linear``)."""
+def _packings(weight: torch.Tensor) -> list[str]:
+    """The packs this weight can use here: ``"amx"`` and/or ``"onednn"``."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
-        return None
+        return []
+    kinds = []
     if weight.dtype == torch.bfloat16 and cpu_kernels.supports(weight):
-        return "amx"
-    return "onednn" if _AVAILABLE else None
+        kinds.append("amx")
+    if _AVAILABLE:
+        kinds.append("onednn")
+    return kinds
 
 
-def _usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether this call can use the pack (else ``F.linear``, same result)."""
+def _packing(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """The pack this call uses (see the table above), or None for ``F.linear``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.device.type == "cpu" and x.dtype == weight.dtype
-            and (bias is None or bias.dtype == weight.dtype)
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))
-            and x.shape[-1] == weight.shape[1] and rows > 0
-            and (weight.dtype != torch.float32 or FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS))
+    if not (x.device.type == "cpu" and x.dtype == weight.dtype and rows > 0
+            and x.shape[-1] == weight.shape[1] and (bias is None or bias.dtype == weight.dtype)
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                     for t in (x, weight, bias)))):
+        return None
+    kinds = _packings(weight)
+    if "amx" in kinds and rows <= AMX_MAX_ROWS:
+        return "amx"
+    if weight.dtype == torch.float32 and not FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS:
+        return None
+    return "onednn" if "onednn" in kinds else None
 
 
 def _version(tensor: torch.Tensor) -> int:

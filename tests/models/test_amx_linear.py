@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from microvllm.layers import cpu_kernels
-from microvllm.layers.linear import Linear
+from microvllm.layers.linear import AMX_MAX_ROWS, Linear
 from tests.attention.cases import seed_for
 
 needs_amx = pytest.mark.skipif(cpu_kernels.kernel_status() is not None,
@@ -96,15 +96,20 @@ def test_bad_inputs_are_refused_with_what_to_change():
 
 
 @needs_amx
-@pytest.mark.parametrize("n,k,kind", [(160, 96, "amx"), (100, 40, "onednn")], ids=["tiles", "not-tiles"])
-def test_packed_gemm_routes_bfloat16_weights(n, k, kind):
-    """Whole-tile bf16 weights go to the AMX kernel at every row count; others to oneDNN."""
+@pytest.mark.parametrize("n,k,amx", [(160, 96, True), (100, 40, False)], ids=["tiles", "not-tiles"])
+def test_packed_gemm_routes_bfloat16_by_rows(n, k, amx, monkeypatch):
+    """Whole-tile bf16 weights go to the AMX kernel up to AMX_MAX_ROWS rows, and to
+    oneDNN beyond; other shapes always to oneDNN. Same results either way."""
+    calls = []
+    kernel = cpu_kernels.amx_linear
+    monkeypatch.setattr(cpu_kernels, "amx_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
     layer = Linear(k, n).to(torch.bfloat16)
-    for rows in (1, 300):
+    for rows in (1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 300):
         x = torch.randn(rows, k).to(torch.bfloat16)
         with torch.inference_mode():
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
-        assert layer.gemm._key[-1] == kind
+    assert calls == ([1, AMX_MAX_ROWS] if amx else [])
+    assert set(layer.gemm._packs) == ({"amx", "onednn"} if amx else {"onednn"})
 
 
 def test_without_amx_the_kernel_says_why_and_bfloat16_uses_onednn():
@@ -120,7 +125,7 @@ assert reason is not None and "amx_tile" in reason, reason
 layer = Linear(64, 32).to(torch.bfloat16)
 with torch.inference_mode():
     layer(torch.randn(4, 64).to(torch.bfloat16))
-assert layer.gemm._key is None if not packing_available() else layer.gemm._key[-1] == "onednn"
+assert set(layer.gemm._packs) == ({"onednn"} if packing_available() else set())
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -141,12 +146,14 @@ def test_bfloat16_engine_tokens_do_not_change_with_the_kernel(tmp_path, monkeypa
 
     def generate():
         llm = LLM(str(folder), dtype="bfloat16", max_model_len=128, max_num_batched_tokens=32)
-        kinds = {m.gemm._key[-1] for m in llm.engine.executor.worker.model.modules()
-                 if isinstance(m, Linear)}
-        return kinds, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    kinds_on, tokens_on = generate()
+    calls = []
+    kernel = cpu_kernels.amx_linear
+    monkeypatch.setattr(cpu_kernels, "amx_linear", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    tokens_on = generate()
+    assert len(calls) > 100          # every projection of every step
     monkeypatch.setattr(cpu_kernels, "supports", lambda weight: False)
-    kinds_off, tokens_off = generate()
-    assert kinds_on == {"amx"} and kinds_off == {"onednn"}
-    assert tokens_on == tokens_off
+    calls.clear()
+    tokens_off = generate()
+    assert not calls and tokens_on == tokens_off

@@ -21,7 +21,7 @@ def test_matches_f_linear(dtype, rows, bias):
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **TOL[dtype])
     packed = packing_available() and (dtype == torch.bfloat16
                                       or FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS)
-    assert (layer.gemm._packed is not None) == packed
+    assert bool(layer.gemm._packs) == packed
 
 
 def test_keeps_leading_dims():
@@ -54,7 +54,7 @@ def test_autograd_takes_the_plain_path():
     x = torch.randn(4, 16, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
-    assert layer.gemm._packed is None
+    assert not layer.gemm._packs
 
 
 def test_shared_weight_gemm():
@@ -77,9 +77,9 @@ def test_loaded_models_come_prepacked(tmp_path):
 
     model, _ = load_model(make_tiny_model(tmp_path / "llama", "llama"), get_attention_backend("torch"))
     gemms = [m.gemm for m in model.modules() if isinstance(m, Linear)] + [model.logits_gemm]
-    assert gemms and all(g._packed is not None for g in gemms)
-    before = [g._packed for g in gemms]
+    assert gemms and all(g._packs for g in gemms)
+    before = [{kind: id(pack) for kind, pack in g._packs.items()} for g in gemms]
     layer = next(m for m in model.modules() if isinstance(m, Linear))
     with torch.inference_mode():
         layer(torch.randn(8, layer.in_features))
-    assert all(g._packed is b for g, b in zip(gemms, before))
+    assert [{kind: id(pack) for kind, pack in g._packs.items()} for g in gemms] == before
