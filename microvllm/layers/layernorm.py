@@ -4,10 +4,20 @@
 
 Computed in float32 whatever the model dtype, as Hugging Face does, so that the
 result (and therefore every greedy token) matches it.
+
+As in vLLM, the norm can also take the residual stream and add the previous branch's
+output into it first (the "fused residual add"): one pass instead of an add and a
+norm. On a CPU both run in one C++ pass (``layers/cpu_kernels/norm_rope.cpp``), which
+rounds where the torch code below rounds; ``forward_native`` is that torch code, used
+wherever the kernel cannot run.
 """
+
+from __future__ import annotations
 
 import torch
 from torch import nn
+
+from microvllm.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +26,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``RMSNorm(x)``; or, given the residual stream, add ``x`` into it and normalise
+        the sum, returning both::
+
+            out, residual = norm(x, residual)   # residual = residual + x; out = RMSNorm(residual)
+
+        The kernel updates ``residual`` in place (as vLLM's ``fused_add_rms_norm`` does)."""
+        if cpu_kernels.norm_rope_applies(x, self.weight):
+            out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self.forward_native(x)
+        residual = residual + x
+        return self.forward_native(residual), residual
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

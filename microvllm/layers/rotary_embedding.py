@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from microvllm.layers import cpu_kernels
+
 
 def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """``inv_freq[i] = 1 / theta**(2i/d)`` for plain RoPE; scaled variants (llama3,
@@ -65,6 +67,14 @@ class RotaryEmbedding(nn.Module):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate every head of ``x [T, heads, d]`` by the angles of its token (``cos, sin``
-    from ``cos_sin``). Heads are independent, so queries and keys can go in one call."""
+    from ``cos_sin``). Heads are independent, so queries and keys can go in one call.
+    On a CPU this is one C++ pass (``layers/cpu_kernels/norm_rope.cpp``) that rounds
+    where ``rotate_native`` does; ``rotate_native`` runs wherever it cannot."""
+    if cpu_kernels.norm_rope_applies(x, cos, sin):
+        return cpu_kernels.rope(x, cos, sin)
+    return rotate_native(x, cos, sin)
+
+
+def rotate_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

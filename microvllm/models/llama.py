@@ -9,6 +9,9 @@ requests of a step into ``T`` tokens, and attention sorts out who sees whom::
         h = h + down_proj(silu(gate) * up)                  gate,up = split(gate_up_proj(RMSNorm(h)))
     hidden = RMSNorm(h)  ──lm_head (only rows whose next token is due)──> logits
 
+In the code ``h`` is carried as ``residual`` and each ``h = h + ...`` is done by the
+next RMSNorm, fused with it (``RMSNorm(x, residual)``), as vLLM's models do.
+
 Projections are fused (q/k/v in one matmul, gate/up in one matmul): the loader
 stacks Hugging Face's separate weights into them. Mistral adds a sliding window;
 Qwen3 adds an RMSNorm on each query and key head (``qk_norm``) and an explicit
@@ -83,9 +86,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, cos_sin, hidden, kv_cache, metadata):
-        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, cos_sin, hidden, residual, kv_cache, metadata):
+        """``residual`` is the residual stream (Hugging Face's ``hidden_states``), carried
+        beside the branch output ``hidden`` as in vLLM: each norm first adds the previous
+        branch's output into it (one fused pass). None before the first layer."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(cos_sin, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,12 +126,13 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids, positions [T]``; ``kv_caches[layer]``; ``attn_metadata[cache group]``.
         Returns the final hidden states ``[T, hidden]`` (logits are computed separately,
         only for the rows that need them)."""
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin(positions)  # once per step, not once per layer
         for i, layer in enumerate(self.layers):
             metadata = attn_metadata[self.layout.layer_to_group[i]]
-            hidden = layer(cos_sin, hidden, kv_caches[i], metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], metadata)
+        hidden, _ = self.norm(hidden, residual)   # the last MLP's output added, then normalised
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits_gemm(hidden, self.logits_weight)

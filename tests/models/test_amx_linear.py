@@ -14,8 +14,8 @@ from microvllm.layers import cpu_kernels
 from microvllm.layers.linear import AMX_MAX_ROWS, Linear
 from tests.attention.cases import seed_for
 
-needs_amx = pytest.mark.skipif(cpu_kernels.kernel_status() is not None,
-                               reason=f"AMX kernel unavailable: {cpu_kernels.kernel_status()}")
+needs_amx = pytest.mark.skipif(cpu_kernels.amx_status() is not None,
+                               reason=f"AMX kernel unavailable: {cpu_kernels.amx_status()}")
 ROWS = [1, 5, 16, 17, 32, 33, 70]
 SHAPES = [(16, 32), (48, 64), (160, 96), (960, 576), (576, 1536)]   # (N, K); 48: odd n blocks
 
@@ -120,7 +120,7 @@ from microvllm import cpp_extension
 cpp_extension.cpu_flags = lambda: {"avx512f"}
 from microvllm.layers import cpu_kernels
 from microvllm.layers.linear import Linear, packing_available
-reason = cpu_kernels.kernel_status()
+reason = cpu_kernels.amx_status()
 assert reason is not None and "amx_tile" in reason, reason
 layer = Linear(64, 32).to(torch.bfloat16)
 with torch.inference_mode():

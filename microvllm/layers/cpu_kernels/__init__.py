@@ -1,11 +1,18 @@
-"""Call the C++ bfloat16 linear kernel for Intel AMX CPUs (``amx_linear.cpp``).
+"""Call the C++ kernels of the model's layers on CPUs.
 
-``PackedGemm`` (layers/linear.py) uses it for bfloat16 weights when ``kernel_status()``
-is None: the CPU has AMX, Linux lets the process use it, and a compiler is present.
-Each weight is packed once, at load time, into AMX tiles (``pack_weight``); every
-call then streams it straight through the matrix units (see the .cpp file's header).
-Anywhere else, bfloat16 weights take oneDNN's path instead, with the same results up
-to float rounding.
+``amx_linear.cpp``: bfloat16 projections on Intel AMX matrix units. ``PackedGemm``
+(layers/linear.py) uses it for bfloat16 weights at decode sizes when ``amx_status()`` is
+None: the CPU has AMX, Linux lets the process use it, and a compiler is present. Each
+weight is packed once, at load time, into AMX tiles (``pack_weight``); every call then
+streams it straight through the matrix units (see the .cpp file's header).
+
+``norm_rope.cpp``: RMSNorm (with the residual add fused in) and rotary embedding, one
+pass each instead of seven or eight torch operators. ``RMSNorm`` and ``rotate`` use them
+for float32 and bfloat16 CPU tensors when ``norm_rope_status()`` is None (a compiler is
+present), and their torch code otherwise.
+
+Each falls back, where it cannot run, to torch code with the same results up to float
+rounding.
 """
 
 from __future__ import annotations
@@ -19,19 +26,22 @@ import torch
 from microvllm import cpp_extension
 from microvllm.cpp_extension import KernelUnavailable
 
-SOURCE = Path(__file__).with_name("amx_linear.cpp")
+AMX_SOURCE = Path(__file__).with_name("amx_linear.cpp")
+NORM_ROPE_SOURCE = Path(__file__).with_name("norm_rope.cpp")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}   # what norm_rope.cpp handles
 TILE_N, TILE_K = 16, 32          # a weight tile: 16 output columns x 32 inputs
 REQUIRED_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
 
 
+# ---------------------------------------------------------------- AMX linear
 @functools.lru_cache(maxsize=None)
-def load() -> ctypes.CDLL:
-    """Build (if needed) and load the kernel, and get Linux's permission to use AMX."""
+def load_amx() -> ctypes.CDLL:
+    """Build (if needed) and load the AMX kernel, and get Linux's permission to use AMX."""
     missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpp_extension.cpu_flags()]
     if missing:
         raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (AMX): bfloat16 "
                                 "projections use oneDNN instead")
-    lib = ctypes.CDLL(str(cpp_extension.build(SOURCE)))
+    lib = ctypes.CDLL(str(cpp_extension.build(AMX_SOURCE)))
     if lib.amx_init() != 0:
         raise KernelUnavailable("Linux refused this process the AMX tile registers "
                                 "(arch_prctl ARCH_REQ_XCOMP_PERM needs Linux 5.16 or newer)")
@@ -41,13 +51,9 @@ def load() -> ctypes.CDLL:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_status() -> str | None:
-    """None if the kernel is usable on this machine, else the reason it is not."""
-    try:
-        load()
-    except (KernelUnavailable, OSError) as error:
-        return str(error)
-    return None
+def amx_status() -> str | None:
+    """None if the AMX kernel is usable on this machine, else the reason it is not."""
+    return _status(load_amx)
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -55,7 +61,7 @@ def supports(weight: torch.Tensor) -> bool:
     made of whole tiles, and the kernel usable on this machine."""
     n, k = weight.shape
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and n % TILE_N == 0 and k % TILE_K == 0 and kernel_status() is None)
+            and n % TILE_N == 0 and k % TILE_K == 0 and amx_status() is None)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -69,7 +75,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     if not supports(weight):
         raise ValueError(f"cannot pack a {weight.dtype} [{n}, {k}] weight for AMX: it needs "
                          f"bfloat16, N % {TILE_N} == 0, K % {TILE_K} == 0 and an AMX CPU "
-                         f"({kernel_status() or 'this one has it'})")
+                         f"({amx_status() or 'this one has it'})")
     tiles = weight.detach().reshape(n // TILE_N, TILE_N, k // TILE_K, TILE_K // 2, 2)
     return tiles.permute(0, 2, 3, 1, 4).contiguous()
 
@@ -96,7 +102,78 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     if x.shape[0]:
         # Named for torch.profiler (a ctypes call is not a torch operator).
         with torch.profiler.record_function("microvllm::amx_linear"):
-            load().amx_linear(x.data_ptr(), packed.data_ptr(),
+            load_amx().amx_linear(x.data_ptr(), packed.data_ptr(),
                               bias.data_ptr() if bias is not None else None, out.data_ptr(),
                               x.shape[0], n, k)
     return out
+
+
+# ---------------------------------------------------------------- RMSNorm, RoPE
+@functools.lru_cache(maxsize=None)
+def load_norm_rope() -> ctypes.CDLL:
+    """Build (if needed) and load the RMSNorm / RoPE kernels."""
+    lib = ctypes.CDLL(str(cpp_extension.build(NORM_ROPE_SOURCE)))
+    lib.rms_norm.restype = lib.rope.restype = None
+    lib.rms_norm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    lib.rope.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64]
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def norm_rope_status() -> str | None:
+    """None if the RMSNorm / RoPE kernels are usable on this machine, else why not."""
+    return _status(load_norm_rope)
+
+
+def norm_rope_applies(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors can go through the RMSNorm / RoPE kernels: float32 or
+    bfloat16 CPU tensors of one dtype, no autograd, and the kernels built."""
+    dtype = tensors[0].dtype
+    return (dtype in DTYPE_CODES
+            and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and norm_rope_status() is None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [rows, hidden]`` normalised, times ``weight``. With ``residual``, first
+    ``residual += x`` in place and normalise that (see norm_rope.cpp)."""
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"rms_norm: weight must be [{hidden}] and residual {list(x.shape)}; "
+                         f"got {list(weight.shape)} and "
+                         f"{None if residual is None else list(residual.shape)}")
+    x = x.contiguous()
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("rms_norm: residual is updated in place, so it must be contiguous")
+    out = torch.empty_like(x)
+    if x.numel():
+        load_norm_rope().rms_norm(DTYPE_CODES[x.dtype], x.data_ptr(),
+                                  residual.data_ptr() if residual is not None else None,
+                                  weight.contiguous().data_ptr(), out.data_ptr(),
+                                  x.numel() // hidden, hidden, eps)
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate every head of ``x [tokens, heads, head_dim]`` (a view whose heads are
+    contiguous within a token, such as a slice of the fused QKV output) by its token's
+    ``cos, sin [tokens, 1, head_dim / 2]``. Returns a new contiguous tensor."""
+    tokens, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim:
+        x = x.contiguous()
+    cos, sin = cos.reshape(tokens, head_dim // 2).contiguous(), sin.reshape(tokens, head_dim // 2).contiguous()
+    out = torch.empty(tokens, heads, head_dim, dtype=x.dtype)
+    if x.numel():
+        load_norm_rope().rope(DTYPE_CODES[x.dtype], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                              out.data_ptr(), tokens, heads, head_dim, x.stride(0))
+    return out
+
+
+def _status(load) -> str | None:
+    try:
+        load()
+    except (KernelUnavailable, OSError) as error:
+        return str(error)
+    return None

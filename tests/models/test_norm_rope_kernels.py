@@ -1,0 +1,114 @@
+"""The RMSNorm and RoPE C++ kernels (``layers/cpu_kernels/norm_rope.cpp``) against the
+torch code they replace (``RMSNorm.forward_native``, ``rotate_native``), on fresh random
+inputs (seeded by the test's name)."""
+
+import pytest
+import torch
+
+from microvllm.layers import cpu_kernels
+from microvllm.layers.layernorm import RMSNorm
+from microvllm.layers.rotary_embedding import rotate, rotate_native
+from tests.attention.cases import seed_for
+
+pytestmark = pytest.mark.skipif(cpu_kernels.norm_rope_status() is not None,
+                                reason=f"kernels unavailable: {cpu_kernels.norm_rope_status()}")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def randn(g, *shape, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def assert_rounding_close(got, want):
+    """float32: equal to float rounding. bfloat16: at most one bf16 step apart, and
+    almost always identical (only a sum of squares added in another order differs)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        return
+    step = want.float().abs() * 2 ** -7 + 1e-30
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 64), (100, 24), (3, 1000)])
+def test_rms_norm_matches_the_torch_code(rows, hidden, dtype, request):
+    g = torch.Generator().manual_seed(seed_for(request.node.name))
+    norm = RMSNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn(g, hidden, dtype=dtype))
+    x = randn(g, rows, hidden, dtype=dtype, scale=3.0)
+    with torch.inference_mode():
+        assert_rounding_close(norm(x), norm.forward_native(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_residual_add_updates_the_stream_in_place(dtype, request):
+    """``norm(x, residual)``: the residual becomes exactly ``residual + x`` (rounded to
+    the dtype, as torch's add rounds), in place, and the output is its norm."""
+    g = torch.Generator().manual_seed(seed_for(request.node.name))
+    norm = RMSNorm(576).to(dtype)
+    x, residual = randn(g, 9, 576, dtype=dtype), randn(g, 9, 576, dtype=dtype, scale=4.0)
+    expected_residual = residual + x
+    with torch.inference_mode():
+        out, new_residual = norm(x, residual)
+    assert new_residual.data_ptr() == residual.data_ptr()
+    assert torch.equal(new_residual, expected_residual)
+    assert_rounding_close(out, norm.forward_native(expected_residual))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_rope_matches_the_torch_code_on_a_qkv_view(tokens, dtype, request):
+    """The query and key heads are a strided view of the fused QKV output; bfloat16
+    results are bit-identical (every product and sum is rounded where torch rounds)."""
+    g = torch.Generator().manual_seed(seed_for(request.node.name))
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv = randn(g, tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=g) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    view = qkv[:, :heads + kv_heads]
+    with torch.inference_mode():
+        got, want = rotate(view, cos, sin), rotate_native(view, cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_other_dtypes_and_autograd_take_the_torch_code():
+    half = torch.randn(2, 8, dtype=torch.float16)
+    assert not cpu_kernels.norm_rope_applies(half, torch.ones(8, dtype=torch.float16))
+    x = torch.randn(2, 8, requires_grad=True)
+    norm = RMSNorm(8)
+    with torch.enable_grad():
+        assert not cpu_kernels.norm_rope_applies(x, norm.weight)
+        norm(x).sum().backward()                      # the torch code: gradients flow
+    assert x.grad is not None and norm.weight.grad is not None
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match=r"weight must be \[8\]"):
+        cpu_kernels.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        cpu_kernels.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, residual=torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])   # qwen3: the per-head q/k norm too
+def test_bfloat16_engine_tokens_do_not_change_with_the_kernels(family, tmp_path, monkeypatch):
+    from microvllm import LLM, SamplingParams
+    from microvllm.models.tiny import make_tiny_model
+    from tests.engine.conftest import varied_prompts
+
+    folder = make_tiny_model(tmp_path / family, family, seed=7)
+    prompts = [{"prompt_token_ids": p} for p in varied_prompts(512, count=6, seed=5, max_len=40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def generate():
+        llm = LLM(str(folder), dtype="bfloat16", max_model_len=128, max_num_batched_tokens=32)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    with_kernels = generate()
+    monkeypatch.setattr(cpu_kernels, "norm_rope_applies", lambda *tensors: False)
+    assert generate() == with_kernels
