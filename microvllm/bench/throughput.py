@@ -443,9 +443,9 @@ def bench_prefix(args, model_path: Path, cost: ModelCost) -> None:
 # torch operators by the part of a decode step they belong to; the rest is "other":
 # norms, RoPE, residual adds, views, sampling.
 PROJECTION_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
-                  "microvllm::amx_linear"}              # the C++ kernel (a record_function range)
+                  "microvllm::amx_linear"}              # C++ kernels: cpp_extension.profiled ranges
 ATTENTION_OPS = {"aten::index_select", "aten::index_copy_", "aten::scaled_dot_product_attention",
-                 "microvllm::paged_attention_decode"}   # the C++ kernel (a record_function range)
+                 "microvllm::paged_attention_decode"}
 
 
 def op_kind(name: str) -> str:

@@ -96,9 +96,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_reqs, num_heads, _ = query.shape
     if num_reqs:
-        # Named for torch.profiler: a ctypes call is not a torch operator, so it would
-        # otherwise be invisible in a profile (bench throughput --profile counts it).
-        with torch.profiler.record_function("microvllm::paged_attention_decode"):
+        with cpp_extension.profiled("microvllm::paged_attention_decode"):
             load().paged_attention_decode(
                 DTYPE_CODES[query.dtype], query.data_ptr(), kv_cache.data_ptr(),
                 block_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads,

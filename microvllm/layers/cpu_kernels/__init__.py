@@ -100,11 +100,10 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     if out.shape != (x.shape[0], n) or out.dtype != torch.bfloat16:
         raise ValueError(f"out must be bfloat16 [{x.shape[0]}, {n}]")
     if x.shape[0]:
-        # Named for torch.profiler (a ctypes call is not a torch operator).
-        with torch.profiler.record_function("microvllm::amx_linear"):
+        with cpp_extension.profiled("microvllm::amx_linear"):
             load_amx().amx_linear(x.data_ptr(), packed.data_ptr(),
-                              bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                              x.shape[0], n, k)
+                                  bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                                  x.shape[0], n, k)
     return out
 
 
@@ -149,10 +148,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError("rms_norm: residual is updated in place, so it must be contiguous")
     out = torch.empty_like(x)
     if x.numel():
-        load_norm_rope().rms_norm(DTYPE_CODES[x.dtype], x.data_ptr(),
-                                  residual.data_ptr() if residual is not None else None,
-                                  weight.contiguous().data_ptr(), out.data_ptr(),
-                                  x.numel() // hidden, hidden, eps)
+        with cpp_extension.profiled("microvllm::rms_norm"):
+            load_norm_rope().rms_norm(DTYPE_CODES[x.dtype], x.data_ptr(),
+                                      residual.data_ptr() if residual is not None else None,
+                                      weight.contiguous().data_ptr(), out.data_ptr(),
+                                      x.numel() // hidden, hidden, eps)
     return out
 
 
@@ -166,8 +166,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos.reshape(tokens, head_dim // 2).contiguous(), sin.reshape(tokens, head_dim // 2).contiguous()
     out = torch.empty(tokens, heads, head_dim, dtype=x.dtype)
     if x.numel():
-        load_norm_rope().rope(DTYPE_CODES[x.dtype], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                              out.data_ptr(), tokens, heads, head_dim, x.stride(0))
+        with cpp_extension.profiled("microvllm::rope"):
+            load_norm_rope().rope(DTYPE_CODES[x.dtype], x.data_ptr(), cos.data_ptr(),
+                                  sin.data_ptr(), out.data_ptr(), tokens, heads, head_dim,
+                                  x.stride(0))
     return out
 
 
