@@ -3,7 +3,7 @@
 microvllm's CPU kernels (``attention/cpu_kernels``, ``layers/cpu_kernels``) are plain
 C++ with OpenMP and no torch headers, so each compiles in about a second with the
 system compiler. A build is cached, keyed by everything that changes the binary
-(source, flags, compiler, this CPU's features)::
+(source, shared headers, flags, compiler, this CPU's features)::
 
     $MICROVLLM_CACHE (default ~/.cache/microvllm, as for the default model)
         └── cpu_kernels/<key>/<name>.so
@@ -45,6 +45,8 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     # GCC vectorizes with 256-bit registers on AVX-512 CPUs unless asked; 512-bit made
     # the attention kernel 10% (float32) to 20% (bfloat16) faster on a Sapphire Rapids Xeon.
     COMPILE_FLAGS.append("-mprefer-vector-width=512")
+INCLUDE_DIR = Path(__file__).with_name("csrc")   # headers shared by the kernels (dtypes.h)
+COMPILE_FLAGS.append(f"-I{INCLUDE_DIR}")
 LINK_FLAGS = ["-shared"]
 OPENMP = ["-fopenmp"]   # dropped, with a warning, by a compiler that lacks it (Apple clang)
 logger = logging.getLogger("microvllm")
@@ -104,7 +106,8 @@ def _compiler() -> str:
 
 def _build_key(source: Path, compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    parts = [source.read_bytes().decode(), " ".join(COMPILE_FLAGS + LINK_FLAGS + OPENMP), version,
+    headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    parts = [source.read_bytes().decode(), *headers, " ".join(COMPILE_FLAGS + LINK_FLAGS + OPENMP), version,
              platform.machine(), " ".join(sorted(cpu_flags())) or platform.processor()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 

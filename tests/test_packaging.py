@@ -57,7 +57,7 @@ def test_kernel_sources_ship_with_the_package():
     """Non-Python files the package reads at run time must be declared as package data,
     or a non-editable install would leave them out."""
     declared = PYPROJECT["tool"]["setuptools"]["package-data"]
-    for source in (ROOT / "microvllm").rglob("*.cpp"):
+    for source in [*(ROOT / "microvllm").rglob("*.cpp"), *(ROOT / "microvllm").rglob("*.h")]:
         package = ".".join(source.parent.relative_to(ROOT).parts)
         patterns = declared.get(package, [])
         assert any(source.match(p) for p in patterns), f"{source.name} is not package data of {package}"

@@ -33,6 +33,8 @@
 #include <cstring>
 #include <vector>
 
+#include "dtypes.h"  // Float32, BFloat16, Float16: storage and conversions
+
 #ifdef _OPENMP
 #include <omp.h>
 #else  // built without OpenMP (a compiler that lacks it): one thread, same results
@@ -40,37 +42,6 @@ inline int omp_get_max_threads() { return 1; }
 #endif
 
 namespace {
-
-// How each element type is stored and turned into float32 and back. Plain integer
-// storage for bfloat16 (not a struct) so that the compiler vectorizes the loops.
-struct Float32 {
-    using storage = float;
-    static float load(float x) { return x; }
-    static float store(float x) { return x; }
-};
-
-struct BFloat16 {  // the top 16 bits of a float32
-    using storage = uint16_t;
-    static float load(uint16_t x) {
-        uint32_t bits = uint32_t(x) << 16;
-        float f;
-        std::memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-    static uint16_t store(float x) {  // round to nearest even, like torch
-        uint32_t bits;
-        std::memcpy(&bits, &x, sizeof bits);
-        if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);  // NaN
-        bits += 0x7fffu + ((bits >> 16) & 1u);
-        return uint16_t(bits >> 16);
-    }
-};
-
-struct Float16 {
-    using storage = _Float16;
-    static float load(_Float16 x) { return float(x); }
-    static _Float16 store(float x) { return _Float16(x); }
-};
 
 // Tokens ahead of the one being read whose cache lines are requested early (8-32
 // measured the same; 16 is one block at the default block size).

@@ -27,35 +27,10 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "dtypes.h"  // Float32, BFloat16: storage and conversions
 
 namespace {
-
-// Storage types and the conversions to float32 and back (as in paged_attention.cpp).
-struct Float32 {
-    using storage = float;
-    static float load(float x) { return x; }
-    static float store(float x) { return x; }
-    static float round(float x) { return x; }
-};
-
-struct BFloat16 {  // the top 16 bits of a float32
-    using storage = uint16_t;
-    static float load(uint16_t x) {
-        uint32_t bits = uint32_t(x) << 16;
-        float f;
-        std::memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-    static uint16_t store(float x) {  // round to nearest even, like torch
-        uint32_t bits;
-        std::memcpy(&bits, &x, sizeof bits);
-        if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);  // NaN
-        bits += 0x7fffu + ((bits >> 16) & 1u);
-        return uint16_t(bits >> 16);
-    }
-    static float round(float x) { return load(store(x)); }  // what a bf16 tensor would hold
-};
 
 template <typename Dtype, typename T = typename Dtype::storage>
 void rms_norm(const T* x, T* residual, const T* weight, T* out, int rows, int hidden, float eps) {
