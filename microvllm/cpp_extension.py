@@ -52,8 +52,21 @@ OPENMP = ["-fopenmp"]   # dropped, with a warning, by a compiler that lacks it (
 logger = logging.getLogger("microvllm")
 
 
+# The dtype argument every kernel's C entry point takes (matching dtypes.h's types).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 class KernelUnavailable(RuntimeError):
     """A C++ kernel could not be built or used here; the message says why."""
+
+
+def unavailable_reason(load) -> str | None:
+    """Call a kernel's ``load()``: None if it works here, else why not (for ``*_status``)."""
+    try:
+        load()
+    except (KernelUnavailable, OSError) as error:
+        return str(error)
+    return None
 
 
 def cpu_flags() -> set[str]:

@@ -6,6 +6,7 @@
 //   Dtype::load(x)   -> float32, exactly
 //   Dtype::store(f)  float32 -> storage, rounded to nearest even (as torch rounds)
 //   Dtype::round(f)  store then load: the float32 value a tensor of this dtype would hold
+//                    (Float32 and BFloat16, the types norm_rope.cpp rounds in)
 //
 // bfloat16 is stored as plain uint16_t (not a struct) so that compilers vectorize loops
 // over it.
@@ -43,5 +44,4 @@ struct Float16 {
     using storage = _Float16;
     static float load(_Float16 x) { return float(x); }
     static _Float16 store(float x) { return _Float16(x); }
-    static float round(float x) { return float(_Float16(x)); }
 };

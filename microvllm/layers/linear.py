@@ -74,12 +74,13 @@ class PackedGemm:
     never see a stale result."""
 
     def __init__(self):
-        self._packs: dict[str, torch.Tensor] = {}   # "amx" / "onednn" -> packed weight
-        self._key: tuple | None = None
+        self._key: tuple | None = None                # identifies the weight the packs are of
+        self._kinds: list[str] = []                   # the packs that weight can use here
+        self._packs: dict[str, torch.Tensor] = {}     # "amx" / "onednn" -> packed weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        kind = _packing(x, weight, bias)
+        kind = self._choose(x, weight, bias)
         if kind is None:
             return F.linear(x, weight, bias)
         rows = x.reshape(-1, x.shape[-1])
@@ -93,13 +94,35 @@ class PackedGemm:
     def prepack(self, weight: torch.Tensor) -> None:
         """Make every pack ``weight`` can use here now (the loader does, as vLLM packs at
         load time), so that no step pays for one; a no-op where packing does not apply."""
-        for kind in _packings(weight):
+        for kind in self._refresh(weight):
             self._pack(weight, kind)
 
-    def _pack(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
+    def _choose(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> str | None:
+        """The pack this call uses (see the table above), or None for ``F.linear``."""
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if not (x.device.type == "cpu" and x.dtype == weight.dtype and rows > 0
+                and x.shape[-1] == weight.shape[1] and (bias is None or bias.dtype == weight.dtype)
+                and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                         for t in (x, weight, bias)))):
+            return None
+        kinds = self._refresh(weight)
+        if "amx" in kinds and rows <= AMX_MAX_ROWS:
+            return "amx"
+        if weight.dtype == torch.float32 and not FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS:
+            return None
+        return "onednn" if "onednn" in kinds else None
+
+    def _refresh(self, weight: torch.Tensor) -> list[str]:
+        """The packs ``weight`` can use here, worked out once per weight; a changed weight
+        drops the old packs."""
         key = (weight.data_ptr(), weight.dtype, _version(weight), tuple(weight.shape))
         if key != self._key:
-            self._packs, self._key = {}, key
+            self._key, self._kinds, self._packs = key, _packings(weight), {}
+        return self._kinds
+
+    def _pack(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
+        """The ``kind`` pack of ``weight`` (made on first use; ``_refresh`` came first)."""
         if kind not in self._packs:
             if kind == "amx":
                 self._packs[kind] = cpu_kernels.pack_weight(weight)
@@ -118,22 +141,6 @@ def _packings(weight: torch.Tensor) -> list[str]:
     if _AVAILABLE:
         kinds.append("onednn")
     return kinds
-
-
-def _packing(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
-    """The pack this call uses (see the table above), or None for ``F.linear``."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (x.device.type == "cpu" and x.dtype == weight.dtype and rows > 0
-            and x.shape[-1] == weight.shape[1] and (bias is None or bias.dtype == weight.dtype)
-            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                     for t in (x, weight, bias)))):
-        return None
-    kinds = _packings(weight)
-    if "amx" in kinds and rows <= AMX_MAX_ROWS:
-        return "amx"
-    if weight.dtype == torch.float32 and not FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS:
-        return None
-    return "onednn" if "onednn" in kinds else None
 
 
 def _version(tensor: torch.Tensor) -> int:

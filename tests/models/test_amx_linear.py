@@ -136,17 +136,14 @@ print("ok")
 def test_bfloat16_engine_tokens_do_not_change_with_the_kernel(tmp_path, monkeypatch):
     """A bf16 engine (batches of at most 32 rows: the bit-identical sizes) generates the
     same greedy tokens with the kernel as with oneDNN, and the kernel is really used."""
-    from microvllm import LLM, SamplingParams
     from microvllm.models.tiny import make_tiny_model
-    from tests.engine.conftest import varied_prompts
+    from tests.engine.conftest import greedy_by_backend, varied_prompts
 
     folder = make_tiny_model(tmp_path / "llama", "llama", seed=7)   # every shape is whole tiles
-    prompts = [{"prompt_token_ids": p} for p in varied_prompts(512, count=6, seed=3, max_len=40)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = varied_prompts(512, count=6, seed=3, max_len=40)
 
-    def generate():
-        llm = LLM(str(folder), dtype="bfloat16", max_model_len=128, max_num_batched_tokens=32)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    def generate():   # batches of at most 32 tokens (max_num_batched_tokens=32)
+        return greedy_by_backend(folder, prompts, ["auto"], dtype="bfloat16")["auto"][1]
 
     calls = []
     kernel = cpu_kernels.amx_linear

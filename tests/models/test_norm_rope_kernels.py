@@ -97,17 +97,14 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])   # qwen3: the per-head q/k norm too
 def test_bfloat16_engine_tokens_do_not_change_with_the_kernels(family, tmp_path, monkeypatch):
-    from microvllm import LLM, SamplingParams
     from microvllm.models.tiny import make_tiny_model
-    from tests.engine.conftest import varied_prompts
+    from tests.engine.conftest import greedy_by_backend, varied_prompts
 
     folder = make_tiny_model(tmp_path / family, family, seed=7)
-    prompts = [{"prompt_token_ids": p} for p in varied_prompts(512, count=6, seed=5, max_len=40)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = varied_prompts(512, count=6, seed=5, max_len=40)
 
     def generate():
-        llm = LLM(str(folder), dtype="bfloat16", max_model_len=128, max_num_batched_tokens=32)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        return greedy_by_backend(folder, prompts, ["auto"], dtype="bfloat16")["auto"][1]
 
     with_kernels = generate()
     monkeypatch.setattr(cpu_kernels, "norm_rope_applies", lambda *tensors: False)

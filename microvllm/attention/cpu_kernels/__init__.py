@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 from microvllm import cpp_extension
-from microvllm.cpp_extension import KernelUnavailable
+from microvllm.cpp_extension import DTYPE_CODES
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def build() -> Path:
@@ -45,11 +44,7 @@ def load() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def kernel_status() -> str | None:
     """None if the kernel is usable on this machine, else the reason it is not."""
-    try:
-        load()
-    except (KernelUnavailable, OSError) as error:
-        return str(error)
-    return None
+    return cpp_extension.unavailable_reason(load)
 
 
 def check_inputs(query, kv_cache, block_table, seq_lens, out) -> None:

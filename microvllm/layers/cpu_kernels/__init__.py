@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from microvllm import cpp_extension
-from microvllm.cpp_extension import KernelUnavailable
+from microvllm.cpp_extension import DTYPE_CODES, KernelUnavailable
 
 AMX_SOURCE = Path(__file__).with_name("amx_linear.cpp")
 NORM_ROPE_SOURCE = Path(__file__).with_name("norm_rope.cpp")
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}   # what norm_rope.cpp handles
+NORM_ROPE_DTYPES = (torch.float32, torch.bfloat16)   # what norm_rope.cpp handles
 TILE_N, TILE_K = 16, 32          # a weight tile: 16 output columns x 32 inputs
 REQUIRED_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
 
@@ -53,7 +53,7 @@ def load_amx() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def amx_status() -> str | None:
     """None if the AMX kernel is usable on this machine, else the reason it is not."""
-    return _status(load_amx)
+    return cpp_extension.unavailable_reason(load_amx)
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -80,8 +80,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 2, 3, 1, 4).contiguous()
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` in bfloat16, with ``packed = pack_weight(W)``."""
     num_n_blocks, num_k_blocks = packed.shape[:2]
     n, k = num_n_blocks * TILE_N, num_k_blocks * TILE_K
@@ -92,13 +91,10 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
         raise ValueError(f"bias must be bfloat16 [{n}], got {bias.dtype} {list(bias.shape)}")
     x = x.contiguous()
-    if out is None:
-        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    for name, t in (("x", x), ("packed", packed), ("bias", bias), ("out", out)):
+    for name, t in (("x", x), ("packed", packed), ("bias", bias)):
         if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous CPU tensor")
-    if out.shape != (x.shape[0], n) or out.dtype != torch.bfloat16:
-        raise ValueError(f"out must be bfloat16 [{x.shape[0]}, {n}]")
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     if x.shape[0]:
         with cpp_extension.profiled("microvllm::amx_linear"):
             load_amx().amx_linear(x.data_ptr(), packed.data_ptr(),
@@ -121,14 +117,14 @@ def load_norm_rope() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def norm_rope_status() -> str | None:
     """None if the RMSNorm / RoPE kernels are usable on this machine, else why not."""
-    return _status(load_norm_rope)
+    return cpp_extension.unavailable_reason(load_norm_rope)
 
 
 def norm_rope_applies(*tensors: torch.Tensor) -> bool:
     """Whether these tensors can go through the RMSNorm / RoPE kernels: float32 or
     bfloat16 CPU tensors of one dtype, no autograd, and the kernels built."""
     dtype = tensors[0].dtype
-    return (dtype in DTYPE_CODES
+    return (dtype in NORM_ROPE_DTYPES
             and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and norm_rope_status() is None)
@@ -172,10 +168,3 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
                                   x.stride(0))
     return out
 
-
-def _status(load) -> str | None:
-    try:
-        load()
-    except (KernelUnavailable, OSError) as error:
-        return str(error)
-    return None
