@@ -17,27 +17,30 @@ and, on CPUs with AMX or AVX512-BF16, bfloat16 with the matrix units. On any oth
 device or dtype, with autograd on, or where oneDNN is missing, ``F.linear`` runs
 instead: same result, just the plain path.
 
-Measured on a 2-core Xeon (AMX), SmolLM2-135M shapes: with 4-64 rows, float32
-1.3-1.8x faster per projection; bfloat16 1.2-1.6x at any row count. With 1 or 2
-rows, float32 is a matrix-vector product that only streams the weight, which MKL's
-plain path does at memory speed (27.8 ms vs 34.6 ms for the model's 120
-projections), so those stay on ``F.linear``; so do float32 prefills of more than
-256 rows, where the pack is a small share and MKL measured as fast or faster. The
-results differ from ``F.linear`` by float rounding only (~1e-6 relative in float32).
+Two of our own kernels do better than oneDNN at decode sizes, where the weights are
+the traffic (every step reads all of them once) and oneDNN did not read them at memory
+speed. Measured on a 2-core Sapphire Rapids Xeon, SmolLM2-135M's 120 projections:
 
-bfloat16 on a CPU with AMX matrix units goes through our own kernel at decode sizes
-(``layers/cpu_kernels/amx_linear.cpp``), with the weight packed into AMX tiles: with
-1-32 rows oneDNN streamed the weights at 5-9 GB/s, the kernel at 12-20 GB/s (1.5-2x
-faster per step's projections). With more rows oneDNN's blocking wins (1.2-1.6x at
-64-1024 rows), so those keep its pack. Both packs are made at load time: one more
-copy of the weights, for never being slower. vLLM does the same on AMX CPUs:
-``dispatch_cpu_unquantized_gemm`` packs with ``convert_weight_packed`` and calls
-``weight_packed_linear`` (``csrc/cpu/sgl-kernels/gemm.cpp``, from SGLang)::
+* float32 (``layers/cpu_kernels/avx512_linear.cpp``, AVX-512, weights packed into
+  panels of 48 columns): 1-64 rows. At 32 rows 48 ms against oneDNN's 63 ms, at one row
+  23 ms against 31 ms (and MKL's ``F.linear`` 33 ms). From 65 to 256 rows the oneDNN
+  pack runs, and beyond that ``F.linear``, where the pack is a small share of the work.
+* bfloat16 on a CPU with AMX matrix units (``layers/cpu_kernels/amx_linear.cpp``,
+  weights packed into AMX tiles): 1-32 rows, where oneDNN streamed the weights at
+  5-9 GB/s and the kernel at 12-20 GB/s (1.5-2x faster per step's projections). With
+  more rows oneDNN's blocking wins (1.2-1.6x at 64-1024 rows), so those keep its pack.
 
-    rows per call           1-2        3-32        33-256        >256
-    float32                 F.linear   oneDNN pack oneDNN pack   F.linear
-    bfloat16, AMX CPU       AMX tiles  AMX tiles   oneDNN pack   oneDNN pack
-    bfloat16 elsewhere      oneDNN pack (every row count)
+A weight's packs are all made at load time: one more copy of the weights, for never
+being slower. vLLM does the same on AMX CPUs: ``dispatch_cpu_unquantized_gemm`` packs
+with ``convert_weight_packed`` and calls ``weight_packed_linear``
+(``csrc/cpu/sgl-kernels/gemm.cpp``, from SGLang). The results differ from ``F.linear``
+by float rounding only (~1e-6 relative in float32; bfloat16 measured bit-identical)::
+
+    rows per call           1-2        3-32       33-64      65-256     >256
+    float32, AVX-512 CPU    AVX-512    AVX-512    AVX-512    oneDNN     F.linear
+    float32 elsewhere       F.linear   oneDNN     oneDNN     oneDNN     F.linear
+    bfloat16, AMX CPU       AMX        AMX        oneDNN     oneDNN     oneDNN
+    bfloat16 elsewhere      oneDNN     oneDNN     oneDNN     oneDNN     oneDNN
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ from torch import nn
 from microvllm.layers import cpu_kernels
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# float32 inputs with fewer or more rows than these use F.linear (see above).
+# float32 inputs with fewer or more rows than these use F.linear, if not the
+# AVX-512 kernel (see above).
 FLOAT32_MIN_ROWS, FLOAT32_MAX_ROWS = 3, 256
-# bfloat16 inputs with at most this many rows use the AMX kernel, where it is usable.
-AMX_MAX_ROWS = 32
+# Inputs with at most this many rows use our kernels, where they are usable.
+AMX_MAX_ROWS = 32          # bfloat16
+AVX512_MAX_ROWS = 64       # float32
 
 
 def packing_available() -> bool:
@@ -66,8 +71,9 @@ _AVAILABLE = packing_available()
 
 
 class PackedGemm:
-    """``y = x @ weight.T (+ bias)`` with ``weight`` packed once, for oneDNN and (bfloat16
-    on an AMX CPU) into AMX tiles; each call uses the pack that suits its row count.
+    """``y = x @ weight.T (+ bias)`` with ``weight`` packed once, for oneDNN and for our
+    kernel (AMX tiles for bfloat16, AVX-512 panels for float32) where the CPU has it;
+    each call uses the pack that suits its row count.
 
     The packs are copies: they are rebuilt whenever the weight changes (another tensor,
     another dtype, or an in-place update such as loading a checkpoint), so callers
@@ -76,7 +82,7 @@ class PackedGemm:
     def __init__(self):
         self._key: tuple | None = None                # identifies the weight the packs are of
         self._kinds: list[str] = []                   # the packs that weight can use here
-        self._packs: dict[str, torch.Tensor] = {}     # "amx" / "onednn" -> packed weight
+        self._packs: dict[str, torch.Tensor] = {}     # "amx" / "avx512" / "onednn" -> pack
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,6 +92,8 @@ class PackedGemm:
         rows = x.reshape(-1, x.shape[-1])
         if kind == "amx":
             out = cpu_kernels.amx_linear(rows, self._pack(weight, kind), bias)
+        elif kind == "avx512":
+            out = cpu_kernels.avx512_linear(rows, self._pack(weight, kind), bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self._pack(weight, kind), bias,
                                                      "none", [], "")
@@ -109,6 +117,8 @@ class PackedGemm:
         kinds = self._refresh(weight)
         if "amx" in kinds and rows <= AMX_MAX_ROWS:
             return "amx"
+        if "avx512" in kinds and rows <= AVX512_MAX_ROWS:
+            return "avx512"
         if weight.dtype == torch.float32 and not FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS:
             return None
         return "onednn" if "onednn" in kinds else None
@@ -125,19 +135,23 @@ class PackedGemm:
         """The ``kind`` pack of ``weight`` (made on first use; ``_refresh`` came first)."""
         if kind not in self._packs:
             if kind == "amx":
-                self._packs[kind] = cpu_kernels.pack_weight(weight)
+                self._packs[kind] = cpu_kernels.amx_pack_weight(weight)
+            elif kind == "avx512":
+                self._packs[kind] = cpu_kernels.avx512_pack_weight(weight)
             else:
                 self._packs[kind] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         return self._packs[kind]
 
 
 def _packings(weight: torch.Tensor) -> list[str]:
-    """The packs this weight can use here: ``"amx"`` and/or ``"onednn"``."""
+    """The packs this weight can use here: ``"amx"`` or ``"avx512"``, and ``"onednn"``."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
         return []
     kinds = []
-    if weight.dtype == torch.bfloat16 and cpu_kernels.supports(weight):
+    if weight.dtype == torch.bfloat16 and cpu_kernels.amx_supports(weight):
         kinds.append("amx")
+    if weight.dtype == torch.float32 and cpu_kernels.avx512_supports(weight):
+        kinds.append("avx512")
     if _AVAILABLE:
         kinds.append("onednn")
     return kinds

@@ -37,7 +37,7 @@ def test_matches_float32_math(rows, n, k, bias, request):
     (2**-8 relative) apart, from float32 summation order."""
     x, w, b = random_case(request, rows, n, k, bias)
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
-    got = cpu_kernels.amx_linear(x, cpu_kernels.pack_weight(w), b)
+    got = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack_weight(w), b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     err = (got.double() - exact).abs()
     assert (err <= exact.abs() * 2 ** -8 + 1e-3).all(), f"worst error {err.max():.3g}"
@@ -51,14 +51,14 @@ def test_bit_identical_to_torch_bf16_matmul(rows, request):
     token there. (At 33-128 rows oneDNN takes another path: about 1 output in 10,000
     differs by one bf16 step, measured on a Sapphire Rapids Xeon, torch 2.13.)"""
     x, w, b = random_case(request, rows, 960, 576, bias=True)
-    assert torch.equal(cpu_kernels.amx_linear(x, cpu_kernels.pack_weight(w), b), F.linear(x, w, b))
+    assert torch.equal(cpu_kernels.amx_linear(x, cpu_kernels.amx_pack_weight(w), b), F.linear(x, w, b))
 
 
 @needs_amx
 def test_pack_layout():
     """packed[nb, kb, r, n, e] = W[16*nb + n, 32*kb + 2*r + e]."""
     w = torch.arange(32 * 64).reshape(32, 64).to(torch.float32)
-    packed = cpu_kernels.pack_weight(w.to(torch.bfloat16)).float()
+    packed = cpu_kernels.amx_pack_weight(w.to(torch.bfloat16)).float()
     assert packed.shape == (2, 2, 16, 16, 2)
     for nb, kb, r, n, e in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 0, 3, 5, 1), (1, 1, 15, 15, 1)]:
         assert packed[nb, kb, r, n, e] == w.to(torch.bfloat16).float()[16 * nb + n, 32 * kb + 2 * r + e]
@@ -67,7 +67,7 @@ def test_pack_layout():
 @needs_amx
 def test_thread_count_does_not_change_the_bits(request):
     x, w, b = random_case(request, 40, 3072, 576, bias=False)
-    packed = cpu_kernels.pack_weight(w)
+    packed = cpu_kernels.amx_pack_weight(w)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -81,7 +81,7 @@ def test_thread_count_does_not_change_the_bits(request):
 @needs_amx
 def test_bad_inputs_are_refused_with_what_to_change():
     w = torch.randn(32, 64).to(torch.bfloat16)
-    packed = cpu_kernels.pack_weight(w)
+    packed = cpu_kernels.amx_pack_weight(w)
     with pytest.raises(ValueError, match=r"bfloat16 \[M, 64\]"):
         cpu_kernels.amx_linear(torch.randn(3, 64), packed)                       # float32 x
     with pytest.raises(ValueError, match=r"bfloat16 \[M, 64\]"):
@@ -89,9 +89,9 @@ def test_bad_inputs_are_refused_with_what_to_change():
     with pytest.raises(ValueError, match=r"bias must be bfloat16 \[32\]"):
         cpu_kernels.amx_linear(torch.randn(3, 64).to(torch.bfloat16), packed, torch.zeros(16).to(torch.bfloat16))
     with pytest.raises(ValueError, match="K % 32 == 0"):
-        cpu_kernels.pack_weight(torch.randn(32, 40).to(torch.bfloat16))
+        cpu_kernels.amx_pack_weight(torch.randn(32, 40).to(torch.bfloat16))
     x = torch.randn(64, 3).to(torch.bfloat16).T                                  # not contiguous: copied
-    torch.testing.assert_close(cpu_kernels.amx_linear(x, cpu_kernels.pack_weight(torch.randn(32, 64).to(torch.bfloat16))).shape,
+    torch.testing.assert_close(cpu_kernels.amx_linear(x, cpu_kernels.amx_pack_weight(torch.randn(32, 64).to(torch.bfloat16))).shape,
                                torch.Size([3, 32]))
 
 
@@ -150,7 +150,7 @@ def test_bfloat16_engine_tokens_do_not_change_with_the_kernel(tmp_path, monkeypa
     monkeypatch.setattr(cpu_kernels, "amx_linear", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     tokens_on = generate()
     assert len(calls) > 100          # every projection of every step
-    monkeypatch.setattr(cpu_kernels, "supports", lambda weight: False)
+    monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)
     calls.clear()
     tokens_off = generate()
     assert not calls and tokens_on == tokens_off

@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from microvllm.layers.linear import FLOAT32_MAX_ROWS, FLOAT32_MIN_ROWS, Linear, PackedGemm, packing_available
+from microvllm.layers import cpu_kernels
+from microvllm.layers.linear import (AVX512_MAX_ROWS, FLOAT32_MAX_ROWS, FLOAT32_MIN_ROWS, Linear,
+                                     PackedGemm, packing_available)
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -21,7 +23,9 @@ def test_matches_f_linear(dtype, rows, bias):
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **TOL[dtype])
     packed = packing_available() and (dtype == torch.bfloat16
                                       or FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS)
-    assert bool(layer.gemm._packs) == packed
+    avx512 = (dtype == torch.float32 and rows <= AVX512_MAX_ROWS
+              and cpu_kernels.avx512_supports(layer.weight))
+    assert bool(layer.gemm._packs) == (packed or avx512)
 
 
 def test_keeps_leading_dims():
