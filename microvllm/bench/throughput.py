@@ -443,7 +443,7 @@ def bench_prefix(args, model_path: Path, cost: ModelCost) -> None:
 # torch operators by the part of a decode step they belong to; the rest is "other":
 # norms, RoPE, residual adds, views, sampling.
 PROJECTION_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
-                  "microvllm::amx_linear"}              # C++ kernels: cpp_extension.profiled ranges
+                  "microvllm::amx_linear", "microvllm::avx512_linear"}  # C++ kernels: cpp_extension.profiled ranges
 ATTENTION_OPS = {"aten::index_select", "aten::index_copy_", "aten::scaled_dot_product_attention",
                  "microvllm::paged_attention_decode"}
 
@@ -494,7 +494,7 @@ def profile_decode(llm, cost: ModelCost, batch: int, args) -> None:
                 for _ in range(num_steps):
                     llm.engine.step()
             averages = prof.key_averages()
-            print(averages.table(sort_by="self_cpu_time_total", row_limit=12,
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=int(__import__("os").environ.get("ROWS", 12)),
                                  max_name_column_width=40))
             print(where_the_time_goes(averages, num_steps))
         else:

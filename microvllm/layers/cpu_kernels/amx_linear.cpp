@@ -35,7 +35,7 @@
 //
 // Requires: an AMX CPU (amx_tile, amx_bf16, avx512_bf16), N % 16 == 0, K % 32 == 0, and
 // Linux's permission for this process to use the tile registers (amx_init). Built and
-// loaded by layers/cpu_kernels/__init__.py.
+// loaded by layers/cpu_kernels/amx.py.
 
 #include <immintrin.h>
 #include <sys/syscall.h>

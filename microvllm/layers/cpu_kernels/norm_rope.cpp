@@ -22,7 +22,7 @@
 //              For each head, with x1, x2 its two halves:
 //              out = (T(T(x1*cos) - T(x2*sin)),  T(T(x2*cos) + T(x1*sin)))
 //
-// Built and loaded by layers/cpu_kernels/__init__.py; compared with the torch code it
+// Built and loaded by layers/cpu_kernels/norm_rope.py; compared with the torch code it
 // replaces in tests/models/test_norm_rope_kernels.py.
 
 #include <cmath>

@@ -1,17 +1,20 @@
-"""The RMSNorm and RoPE C++ kernels (``layers/cpu_kernels/norm_rope.cpp``) against the
-torch code they replace (``RMSNorm.forward_native``, ``rotate_native``), on fresh random
-inputs (seeded by the test's name)."""
+"""The RMSNorm, RoPE and SiLU-and-mul C++ kernels (``layers/cpu_kernels/norm_rope.cpp``,
+``activation.cpp``) against the torch code they replace (``RMSNorm.forward_native``,
+``rotate_native``, ``silu_and_mul_native``), on fresh random inputs (seeded by the
+test's name)."""
 
 import pytest
 import torch
 
 from microvllm.layers import cpu_kernels
+from microvllm.layers.activation import silu_and_mul, silu_and_mul_native
 from microvllm.layers.layernorm import RMSNorm
 from microvllm.layers.rotary_embedding import rotate, rotate_native
 from tests.attention.cases import seed_for
 
-pytestmark = pytest.mark.skipif(cpu_kernels.norm_rope_status() is not None,
-                                reason=f"kernels unavailable: {cpu_kernels.norm_rope_status()}")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.norm_rope_status() is not None or cpu_kernels.activation_status() is not None,
+    reason=f"kernels unavailable: {cpu_kernels.norm_rope_status() or cpu_kernels.activation_status()}")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -77,6 +80,28 @@ def test_rope_matches_the_torch_code_on_a_qkv_view(tokens, dtype, request):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 3072), (7, 80), (70, 48), (2, 3, 32)], ids=str)
+def test_silu_and_mul_matches_the_torch_code(shape, dtype, request):
+    g = torch.Generator().manual_seed(seed_for(request.node.name))
+    gate_up = randn(g, *shape, dtype=dtype, scale=4.0)
+    with torch.inference_mode():
+        got = silu_and_mul(gate_up)
+        assert got.shape == (*shape[:-1], shape[-1] // 2)
+        assert_rounding_close(got, silu_and_mul_native(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_at_the_extremes(dtype):
+    """Where exp(-gate) overflows (silu -> 0, not NaN) or vanishes (silu -> gate)."""
+    gate = torch.tensor([-1000.0, -200.0, -88.5, -20.0, 0.0, 20.0, 200.0, 1000.0])
+    gate_up = torch.cat([gate, torch.full_like(gate, 3.0)]).to(dtype).unsqueeze(0)
+    with torch.inference_mode():
+        got, want = silu_and_mul(gate_up).float(), silu_and_mul_native(gate_up).float()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-30)
+
+
 def test_other_dtypes_and_autograd_take_the_torch_code():
     half = torch.randn(2, 8, dtype=torch.float16)
     assert not cpu_kernels.norm_rope_applies(half, torch.ones(8, dtype=torch.float16))
@@ -86,6 +111,8 @@ def test_other_dtypes_and_autograd_take_the_torch_code():
         assert not cpu_kernels.norm_rope_applies(x, norm.weight)
         norm(x).sum().backward()                      # the torch code: gradients flow
     assert x.grad is not None and norm.weight.grad is not None
+    assert not cpu_kernels.activation_applies(torch.randn(2, 8, dtype=torch.float16))
+    assert not cpu_kernels.activation_applies(torch.randn(2, 7))   # no even split
 
 
 def test_bad_shapes_are_refused():
@@ -108,4 +135,5 @@ def test_bfloat16_engine_tokens_do_not_change_with_the_kernels(family, tmp_path,
 
     with_kernels = generate()
     monkeypatch.setattr(cpu_kernels, "norm_rope_applies", lambda *tensors: False)
+    monkeypatch.setattr(cpu_kernels, "activation_applies", lambda gate_up: False)
     assert generate() == with_kernels

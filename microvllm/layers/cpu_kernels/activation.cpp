@@ -1,0 +1,54 @@
+// The SiLU-gated MLP activation in one pass, for CPUs (vLLM's silu_and_mul):
+//
+//   gate_up [rows, 2·d]  (the fused gate/up projection: gate columns, then up columns)
+//   out     [rows, d]    out = T( T(silu(gate)) * up ),  silu(g) = g / (1 + exp(-g))
+//
+// Torch needs two operators and a temporary for it (F.silu(gate) * up), each a pass
+// over memory; in a decode step the tensors are small and have just been pushed out
+// of cache by the weights streaming through, so every pass is paid in full. T()
+// rounds to the storage type where Hugging Face's bfloat16 model does (after the
+// silu, after the product); the math is float32.
+//
+// Built and loaded by layers/cpu_kernels/activation.py; compared with the torch code
+// it replaces in tests/models/test_norm_rope_kernels.py.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "dtypes.h"  // Float32, BFloat16: storage and conversions
+
+namespace {
+
+template <typename Dtype, typename T = typename Dtype::storage>
+void silu_and_mul(const T* gate_up, T* out, int rows, int d) {
+    #pragma omp parallel for if (int64_t(rows) * d >= (1 << 16))
+    for (int r = 0; r < rows; ++r) {
+        const T* gate = gate_up + int64_t(r) * 2 * d;
+        const T* up = gate + d;
+        T* o = out + int64_t(r) * d;
+        #pragma omp simd
+        for (int i = 0; i < d; ++i) {
+            const float g = Dtype::load(gate[i]);
+            // exp(-g) overflows below g = -88.7; -ffast-math may then give inf * 0 =
+            // NaN, so cap it: silu is then ~1e-36 instead of torch's -0.
+            const float silu = Dtype::round(g / (1.f + std::exp(std::min(-g, 88.f))));
+            o[i] = Dtype::store(silu * Dtype::load(up[i]));
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16. Called through ctypes.
+void silu_and_mul(int dtype, const void* gate_up, void* out, int rows, int d) {
+    if (dtype == 0)
+        silu_and_mul<Float32>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, d);
+    else
+        silu_and_mul<BFloat16>(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out),
+                               rows, d);
+}
+
+}  // extern "C"
