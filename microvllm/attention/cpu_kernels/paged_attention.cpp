@@ -21,6 +21,13 @@
 //   pass 2   p[g, t] = exp(scores[g, t] - max_t scores[g, :]),  denom[g] = sum_t p[g, t]
 //   pass 3   out[g] = sum_t p[g, t] * value(t) / denom[g]
 //
+// Tokens are visited page by page (the next page's row prefetched as each token is
+// read). With AVX-512 and a head size that is a multiple of 16, passes 1 and 3 are
+// written with vector intrinsics: each KV head's row is converted to float32 registers
+// once and used by its `group` query heads. Left to the compiler, the bfloat16 loops
+// compiled to mostly scalar code: the intrinsics made bfloat16 decode attention 1.3x
+// faster (float32 was already at memory speed).
+//
 // Arithmetic is float32 whatever T is (as in SDPA's CPU kernel). Threads come from the
 // OpenMP runtime torch already loaded, so torch.set_num_threads applies here too.
 // Built and loaded by cpu_kernels/__init__.py; compared with the torch reference in
@@ -43,15 +50,25 @@ inline int omp_get_max_threads() { return 1; }
 
 namespace {
 
-// Tokens ahead of the one being read whose cache lines are requested early (8-32
-// measured the same; 16 is one block at the default block size).
-constexpr int PREFETCH_AHEAD = 16;
-
 // Ask for the cache lines of `bytes` bytes at `p` (a hint: it never faults or waits).
 inline void prefetch(const void* p, int bytes) {
     const char* line = static_cast<const char*>(p);
     for (int byte = 0; byte < bytes; byte += 64) __builtin_prefetch(line + byte);
 }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+// 16 stored elements as 16 floats in a zmm register.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {   // bfloat16: its bits are a float's top half
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const _Float16* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 // HEAD_DIM > 0 is a compile-time head size (the common ones: the inner loops unroll
 // into a few vector instructions); 0 reads it at run time.
@@ -90,16 +107,32 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
             const int first = sliding_window > 0 ? std::max(0, seq_len - sliding_window) : 0;
             const int n = seq_len - first;
             const int32_t* table = block_table + int64_t(r) * max_blocks_per_req;
-            // This task's heads of token t: [heads_per_task, head_dim], contiguous.
-            auto heads_of = [&](const T* cache, int t) {
-                return cache + table[t / block_size] * block_stride
-                             + (t % block_size) * token_stride + first_head * head_dim;
+            // This task's heads of the tokens in logical block b: token t of the block
+            // at page(b) + t * token_stride, [heads_per_task, head_dim] contiguous.
+            auto page = [&](const T* cache, int b) {
+                return cache + table[b] * block_stride + first_head * head_dim;
             };
             // Pages are scattered, so the hardware prefetcher, which follows one 4 KiB
-            // page at a time, stalls at every page change. Asking for the row of token
-            // t + PREFETCH_AHEAD while working on token t keeps loads in flight: measured
-            // 15-25% faster on the decode batches of bench throughput.
+            // page at a time, stalls at every page change. Asking for the row of the
+            // same token one block ahead while working on a token keeps loads in
+            // flight: measured 15-25% faster on the decode batches of bench throughput.
             const int row_bytes = heads_per_task * head_dim * int(sizeof(T));
+            // visit(t, row of token t) for every visible token, page by page, prefetching
+            // the next page's row as it goes.
+            auto for_each_token = [&](const T* cache, auto visit) {
+                for (int b = first / block_size; b * block_size < seq_len; ++b) {
+                    const T* rows_b = page(cache, b);
+                    const bool more = (b + 1) * block_size < seq_len;
+                    const T* next = more ? page(cache, b + 1) : nullptr;
+                    const int begin = std::max(first, b * block_size);
+                    const int end = std::min(seq_len, (b + 1) * block_size);
+                    for (int t = begin; t < end; ++t) {
+                        const int64_t offset = (t - b * block_size) * token_stride;
+                        if (more) prefetch(next + offset, row_bytes);
+                        visit(t, rows_b + offset);
+                    }
+                }
+            };
             // Query rows i = 0 .. rows-1 are query heads first_head*group + i, which
             // read KV head first_head + i / group.
             const T* q_in = query + (int64_t(r) * num_heads + first_head * group) * head_dim;
@@ -107,9 +140,24 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
             scores.resize(size_t(rows) * n);
 
             // pass 1: q . k for every visible key
-            for (int t = first; t < seq_len; ++t) {
-                if (t + PREFETCH_AHEAD < seq_len) prefetch(heads_of(key_cache, t + PREFETCH_AHEAD), row_bytes);
-                const T* keys = heads_of(key_cache, t);
+#ifdef __AVX512F__
+            if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+                constexpr int V = HEAD_DIM / 16;   // zmm vectors per head
+                for_each_token(key_cache, [&](int t, const T* keys) {
+                    for (int h = 0; h < heads_per_task; ++h) {
+                        __m512 k[V];
+                        for (int v = 0; v < V; ++v) k[v] = load16(keys + h * HEAD_DIM + 16 * v);
+                        for (int i = h * group; i < (h + 1) * group; ++i) {
+                            const float* qi = &q[i * HEAD_DIM];
+                            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qi), k[0]);
+                            for (int v = 1; v < V; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * v), k[v], dot);
+                            scores[size_t(i) * n + (t - first)] = _mm512_reduce_add_ps(dot);
+                        }
+                    }
+                });
+            } else
+#endif
+            for_each_token(key_cache, [&](int t, const T* keys) {
                 for (int i = 0; i < rows; ++i) {
                     const T* k = keys + (i / group) * head_dim;
                     const float* qi = &q[i * head_dim];
@@ -118,7 +166,7 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
                     for (int d = 0; d < head_dim; ++d) s += qi[d] * Dtype::load(k[d]);
                     scores[size_t(i) * n + (t - first)] = s;
                 }
-            }
+            });
             // pass 2: softmax numerators (max subtracted for range), and their sums
             for (int i = 0; i < rows; ++i) {
                 float* s = &scores[size_t(i) * n];
@@ -134,9 +182,24 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
             }
             // pass 3: the probability-weighted sum of values
             std::fill(acc.begin(), acc.end(), 0.f);
-            for (int t = first; t < seq_len; ++t) {
-                if (t + PREFETCH_AHEAD < seq_len) prefetch(heads_of(value_cache, t + PREFETCH_AHEAD), row_bytes);
-                const T* values = heads_of(value_cache, t);
+#ifdef __AVX512F__
+            if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+                constexpr int V = HEAD_DIM / 16;
+                for_each_token(value_cache, [&](int t, const T* values) {
+                    for (int h = 0; h < heads_per_task; ++h) {
+                        __m512 val[V];
+                        for (int v = 0; v < V; ++v) val[v] = load16(values + h * HEAD_DIM + 16 * v);
+                        for (int i = h * group; i < (h + 1) * group; ++i) {
+                            const __m512 p = _mm512_set1_ps(scores[size_t(i) * n + (t - first)]);
+                            float* a = &acc[i * HEAD_DIM];
+                            for (int v = 0; v < V; ++v)
+                                _mm512_storeu_ps(a + 16 * v, _mm512_fmadd_ps(p, val[v], _mm512_loadu_ps(a + 16 * v)));
+                        }
+                    }
+                });
+            } else
+#endif
+            for_each_token(value_cache, [&](int t, const T* values) {
                 for (int i = 0; i < rows; ++i) {
                     const T* v = values + (i / group) * head_dim;
                     const float p = scores[size_t(i) * n + (t - first)];
@@ -144,7 +207,7 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
                     #pragma omp simd
                     for (int d = 0; d < head_dim; ++d) a[d] += p * Dtype::load(v[d]);
                 }
-            }
+            });
             T* o = out + (int64_t(r) * num_heads + first_head * group) * head_dim;
             for (int i = 0; i < rows; ++i)
                 for (int d = 0; d < head_dim; ++d) o[i * head_dim + d] = Dtype::store(acc[i * head_dim + d] / denom[i]);
