@@ -3,7 +3,8 @@
 Same split as the torch backend (``torch_sdpa.py``), with the decodes moved into a
 compiled kernel:
 
-    write_kv   index_copy_ into the paged cache                  (torch_ref.write_kv_torch)
+    write_kv   cpu_kernels/paged_attention.cpp's write_kv: the step's keys and values
+               into their slots, one call (torch_ref.write_kv_torch is two index_copy_)
     decodes    cpu_kernels/paged_attention.cpp: every decode of the step in one call,
                reading keys and values where they lie in the paged cache
     prefills   one SDPA call per chunk over its gathered context  (torch_sdpa.prefill_chunks)
@@ -15,7 +16,8 @@ it once. Prefill chunks are compute-bound (many queries per key), where SDPA's
 blocked kernel is already good and a gathered copy is cheap next to the matmuls.
 
 This is vLLM's layout of work too: its CPU backend calls a C++ paged-attention
-kernel (``csrc/cpu/attention.cpp``) for decodes.
+kernel (``csrc/cpu/attention.cpp``) for decodes, and ``reshape_and_cache``
+(``csrc/cpu/cache.cpp``) for the writes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import torch
 from microvllm.attention import cpu_kernels
 from microvllm.attention.backend import AttentionBackend, register_backend
 from microvllm.attention.metadata import AttentionMetadata
-from microvllm.attention.torch_ref import write_kv_torch
 from microvllm.attention.torch_sdpa import decode_requests, prefill_chunks
 
 
@@ -41,7 +42,7 @@ class CPUAttentionBackend(AttentionBackend):
                                "(or 'auto', which falls back to it).")
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
-        write_kv_torch(key, value, kv_cache, slot_mapping)
+        cpu_kernels.write_kv(key, value, kv_cache, slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 *, scale: float, sliding_window: int | None = None) -> torch.Tensor:

@@ -141,3 +141,31 @@ def test_both_ways_of_splitting_work_match_the_reference(threads, request):
     finally:
         torch.set_num_threads(before)
     assert_matches(got, expected, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_write_kv_matches_the_torch_code(dtype, block_size, request):
+    """Keys and values taken as views of a fused QKV output (rows apart, heads contiguous),
+    written to scattered slots: the same cache as two index_copy_ calls, bit for bit."""
+    from microvllm.attention.torch_ref import write_kv_torch
+
+    g = torch.Generator().manual_seed(seed_for(request.node.name))
+    num_blocks, kv_heads, head_dim, tokens = 12, 3, 64, 9
+    qkv = torch.randn(tokens, 9 + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    key, value = qkv[:, 9:9 + kv_heads], qkv[:, 9 + kv_heads:]
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    expected = cache.clone()
+    write_kv_torch(key, value, expected, slots)
+    cpu_kernels.write_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache():
+    cache = torch.zeros(2, 4, 16, 1, 8)
+    rows = torch.ones(2, 1, 8)
+    with pytest.raises(IndexError, match=r"slot_mapping\[1\] = 64 is outside the cache's 64 slots"):
+        cpu_kernels.write_kv(rows, rows, cache, torch.tensor([3, 64]))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_kernels.write_kv(rows, rows, cache, torch.tensor([3]))

@@ -1,4 +1,5 @@
-"""Call the C++ paged-attention kernel for CPUs (``paged_attention.cpp``).
+"""Call the C++ paged-attention kernel for CPUs (``paged_attention.cpp``), and its
+``write_kv``, which stores a step's new keys and values in the paged cache.
 
 The kernel is compiled on first use and cached on disk by ``microvllm.cpp_extension``
 (``-march=native``, OpenMP from the runtime torch already loaded), then loaded with
@@ -38,6 +39,9 @@ def load() -> ctypes.CDLL:
     fn.restype = None
     fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7
                    + [ctypes.c_float, ctypes.c_int])
+    lib.write_kv.restype = ctypes.c_int
+    lib.write_kv.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+                             + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
     return lib
 
 
@@ -98,3 +102,32 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
                 num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1], scale,
                 sliding_window or 0)
     return out
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """``kv_cache[0 / 1, slot // block_size, slot % block_size] = key / value[t]`` for every
+    token ``t`` (``slot = slot_mapping[t]``), as ``torch_ref.write_kv_torch`` does, in one
+    C++ call. ``key, value [T, num_kv_heads, head_dim]`` may be views of the fused QKV
+    output (rows apart, heads contiguous within a row)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    rows = (key.shape[0], num_kv_heads, head_dim)
+    if key.shape != rows or value.shape != rows or slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"key and value must be {list(rows)} and slot_mapping [{key.shape[0]}]; "
+                         f"got {list(key.shape)}, {list(value.shape)}, {list(slot_mapping.shape)}")
+    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be a contiguous CPU tensor")
+    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    key, value = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous()
+                  for t in (key, value))
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if not key.shape[0]:
+        return
+    with cpp_extension.profiled("microvllm::write_kv"):
+        bad = load().write_kv(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
+                              kv_cache.data_ptr(), slots.data_ptr(), key.shape[0],
+                              num_blocks * block_size, num_kv_heads * head_dim,
+                              kv_cache.element_size())
+    if bad >= 0:
+        raise IndexError(f"slot_mapping[{bad}] = {int(slots[bad])} is outside the cache's "
+                         f"{num_blocks * block_size} slots (num_blocks x block_size)")

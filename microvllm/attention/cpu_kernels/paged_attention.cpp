@@ -236,6 +236,28 @@ void dispatch(const void* query, const void* kv_cache, const int32_t* block_tabl
 
 extern "C" {
 
+// Before attention reads the cache, each layer writes the step's new keys and values
+// into it (vLLM's reshape_and_cache): token i's row [num_kv_heads, head_dim] goes to
+// slot slots[i], i.e. kv_cache[0 / 1, slot / block_size, slot % block_size]. key and
+// value rows are `key_stride` / `value_stride` elements apart, as in views of the fused
+// QKV output; within a row, heads are contiguous. One call for both, instead of two
+// torch index_copy_ calls. Returns -1, or the first token whose slot is out of range
+// (then nothing from it on is written).
+int write_kv(const void* key, const void* value, int64_t key_stride, int64_t value_stride,
+             void* kv_cache, const int64_t* slots, int num_tokens, int64_t num_slots,
+             int row_elements, int element_bytes) {
+    char* keys = static_cast<char*>(kv_cache);
+    char* values = keys + num_slots * row_elements * element_bytes;
+    const size_t row_bytes = size_t(row_elements) * element_bytes;
+    for (int i = 0; i < num_tokens; ++i) {
+        const int64_t slot = slots[i];
+        if (slot < 0 || slot >= num_slots) return i;
+        std::memcpy(keys + slot * row_bytes, static_cast<const char*>(key) + i * key_stride * element_bytes, row_bytes);
+        std::memcpy(values + slot * row_bytes, static_cast<const char*>(value) + i * value_stride * element_bytes, row_bytes);
+    }
+    return -1;
+}
+
 // dtype: 0 = float32, 1 = bfloat16, 2 = float16. Called through ctypes.
 void paged_attention_decode(int dtype, const void* query, const void* kv_cache,
                             const int32_t* block_table, const int32_t* seq_lens, void* out,
