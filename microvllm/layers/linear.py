@@ -22,8 +22,8 @@ the traffic (every step reads all of them once) and oneDNN did not read them at 
 speed. Measured on a 2-core Sapphire Rapids Xeon, SmolLM2-135M's 120 projections:
 
 * float32 (``layers/cpu_kernels/avx512_linear.cpp``, AVX-512, weights packed into
-  panels of 48 columns): 1-64 rows. At 32 rows 48 ms against oneDNN's 63 ms, at one row
-  23 ms against 31 ms (and MKL's ``F.linear`` 33 ms). From 65 to 256 rows the oneDNN
+  panels of 48 columns): 1-64 rows. At 32 rows 44 ms against oneDNN's 61 ms, at one row
+  22 ms against 28 ms (MKL's ``F.linear``: about the same). From 65 to 256 rows the oneDNN
   pack runs, and beyond that ``F.linear``, where the pack is a small share of the work.
 * bfloat16 on a CPU with AMX matrix units (``layers/cpu_kernels/amx_linear.cpp``,
   weights packed into AMX tiles): 1-32 rows, where oneDNN streamed the weights at
