@@ -50,7 +50,7 @@ class CPUAttentionBackend(AttentionBackend):
         num_decodes, rows, requests = decode_requests(metadata)
         if num_decodes:
             decoded = cpu_kernels.paged_attention_decode(
-                query[rows].contiguous(), kv_cache, metadata.block_table[requests].contiguous(),
+                query[rows], kv_cache, metadata.block_table[requests].contiguous(),
                 metadata.seq_lens[requests].contiguous(), scale=scale,
                 sliding_window=sliding_window,
                 out=out[rows] if isinstance(rows, slice) else None)  # in place when it can be

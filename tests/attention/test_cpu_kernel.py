@@ -56,6 +56,12 @@ def test_decode_kernel_head_dims_and_long_contexts(head_dim, request):
     got = cpu_kernels.paged_attention_decode(query, kv_cache, *decode_inputs(metadata),
                                              scale=head_dim ** -0.5)
     assert_matches(got, expected, 12)
+    # The same queries as a view of a fused QKV output (rows apart): read in place, same result.
+    qkv = torch.cat([query, torch.full((12, 6, head_dim), float("nan"), dtype=query.dtype)], dim=1)
+    view = qkv[:, :9]
+    assert not view.is_contiguous()
+    assert torch.equal(cpu_kernels.paged_attention_decode(view, kv_cache, *decode_inputs(metadata),
+                                                          scale=head_dim ** -0.5), got)
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
@@ -83,7 +89,7 @@ def test_rejects_inputs_it_cannot_take():
         (dict(query=query.double()), TypeError, "supports"),
         (dict(kv_cache=kv_cache.half()), TypeError, "share a dtype"),
         (dict(seq_lens=lens.long()), TypeError, "int32"),
-        (dict(query=query.transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "contiguous"),
+        (dict(query=query.transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "heads are contiguous"),
         (dict(seq_lens=lens + 100), ValueError, "block_table holds"),
         (dict(kv_cache=kv_cache[..., :8].contiguous()), ValueError, "kv_cache must be"),
     ]

@@ -37,8 +37,8 @@ def load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     fn = lib.paged_attention_decode
     fn.restype = None
-    fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7
-                   + [ctypes.c_float, ctypes.c_int])
+    fn.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
+                   + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int])
     lib.write_kv.restype = ctypes.c_int
     lib.write_kv.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
                              + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
@@ -60,11 +60,14 @@ def check_inputs(query, kv_cache, block_table, seq_lens, out) -> None:
                         f"{kv_cache.dtype}, {out.dtype}")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise TypeError("block_table and seq_lens must be int32")
-    for name, t in (("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
+    num_reqs, num_heads, head_dim = query.shape
+    if query.device.type != "cpu" or query.stride(2) != 1 or query.stride(1) != head_dim:
+        raise ValueError("query must be a CPU tensor whose heads are contiguous within a row "
+                         "(rows may be apart, as in a view of the QKV output)")
+    for name, t in (("kv_cache", kv_cache), ("block_table", block_table),
                     ("seq_lens", seq_lens), ("out", out)):
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous CPU tensor")
-    num_reqs, num_heads, head_dim = query.shape
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != head_dim:
         raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, {head_dim}], "
                          f"got {list(kv_cache.shape)}")
@@ -84,20 +87,21 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention straight from the paged cache (see ``paged_attention.cpp``).
 
-    ``query [num_reqs, num_heads, head_dim]``: request ``i``'s one query token attends
+    ``query [num_reqs, num_heads, head_dim]`` (heads contiguous within a row, rows may be
+    apart: a view of the QKV output needs no copy): request ``i``'s one query token attends
     over its ``seq_lens[i]`` cached tokens, found through ``block_table[i]``. Positions
     in ``seq_lens`` must fit the table (checked) and the block ids in it must be valid
     (trusted, as every paged-attention kernel does).
     """
     if out is None:
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype)   # contiguous, whatever query's strides
     check_inputs(query, kv_cache, block_table, seq_lens, out)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_reqs, num_heads, _ = query.shape
     if num_reqs:
         with cpp_extension.profiled("microvllm::paged_attention_decode"):
             load().paged_attention_decode(
-                DTYPE_CODES[query.dtype], query.data_ptr(), kv_cache.data_ptr(),
+                DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), kv_cache.data_ptr(),
                 block_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads,
                 num_kv_heads, head_dim, block_size, num_blocks, block_table.shape[1], scale,
                 sliding_window or 0)

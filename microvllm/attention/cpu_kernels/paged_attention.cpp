@@ -6,6 +6,7 @@
 // On a CPU a decode step is memory-bound, which is why that matters.
 //
 //   query      [num_reqs, num_heads, head_dim]                 (T = float, bf16, fp16)
+//              rows query_stride elements apart (a view of the QKV output: no copy)
 //   kv_cache   [2, num_blocks, block_size, num_kv_heads, head_dim]   0 = keys, 1 = values
 //   block_table[num_reqs, max_blocks_per_req]  int32   logical block -> physical block
 //   seq_lens   [num_reqs]                      int32   context length, this token included
@@ -73,7 +74,7 @@ inline __m512 load16(const _Float16* p) {
 // HEAD_DIM > 0 is a compile-time head size (the common ones: the inner loops unroll
 // into a few vector instructions); 0 reads it at run time.
 template <typename Dtype, int HEAD_DIM, typename T = typename Dtype::storage>
-void decode(const T* query, const T* kv_cache, const int32_t* block_table,
+void decode(const T* query, int64_t query_stride, const T* kv_cache, const int32_t* block_table,
             const int32_t* seq_lens, T* out, int num_reqs, int num_heads, int num_kv_heads,
             int runtime_head_dim, int block_size, int num_blocks, int max_blocks_per_req,
             float scale, int sliding_window) {
@@ -135,7 +136,7 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
             };
             // Query rows i = 0 .. rows-1 are query heads first_head*group + i, which
             // read KV head first_head + i / group.
-            const T* q_in = query + (int64_t(r) * num_heads + first_head * group) * head_dim;
+            const T* q_in = query + r * query_stride + int64_t(first_head) * group * head_dim;
             for (int i = 0; i < rows * head_dim; ++i) q[i] = Dtype::load(q_in[i]) * scale;
             scores.resize(size_t(rows) * n);
 
@@ -216,12 +217,12 @@ void decode(const T* query, const T* kv_cache, const int32_t* block_table,
 }
 
 template <typename Dtype, typename T = typename Dtype::storage>
-void dispatch(const void* query, const void* kv_cache, const int32_t* block_table,
+void dispatch(const void* query, int64_t query_stride, const void* kv_cache, const int32_t* block_table,
               const int32_t* seq_lens, void* out, int num_reqs, int num_heads,
               int num_kv_heads, int head_dim, int block_size, int num_blocks,
               int max_blocks_per_req, float scale, int sliding_window) {
     auto run = [&](auto kernel) {
-        kernel(static_cast<const T*>(query), static_cast<const T*>(kv_cache), block_table,
+        kernel(static_cast<const T*>(query), query_stride, static_cast<const T*>(kv_cache), block_table,
                seq_lens, static_cast<T*>(out), num_reqs, num_heads, num_kv_heads, head_dim,
                block_size, num_blocks, max_blocks_per_req, scale, sliding_window);
     };
@@ -259,19 +260,19 @@ int write_kv(const void* key, const void* value, int64_t key_stride, int64_t val
 }
 
 // dtype: 0 = float32, 1 = bfloat16, 2 = float16. Called through ctypes.
-void paged_attention_decode(int dtype, const void* query, const void* kv_cache,
+void paged_attention_decode(int dtype, const void* query, int64_t query_stride, const void* kv_cache,
                             const int32_t* block_table, const int32_t* seq_lens, void* out,
                             int num_reqs, int num_heads, int num_kv_heads, int head_dim,
                             int block_size, int num_blocks, int max_blocks_per_req,
                             float scale, int sliding_window) {
     switch (dtype) {
-        case 0: dispatch<Float32>(query, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
+        case 0: dispatch<Float32>(query, query_stride, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
                                 num_kv_heads, head_dim, block_size, num_blocks,
                                 max_blocks_per_req, scale, sliding_window); break;
-        case 1: dispatch<BFloat16>(query, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
+        case 1: dispatch<BFloat16>(query, query_stride, kv_cache, block_table, seq_lens, out, num_reqs, num_heads,
                                num_kv_heads, head_dim, block_size, num_blocks,
                                max_blocks_per_req, scale, sliding_window); break;
-        case 2: dispatch<Float16>(query, kv_cache, block_table, seq_lens, out, num_reqs,
+        case 2: dispatch<Float16>(query, query_stride, kv_cache, block_table, seq_lens, out, num_reqs,
                                    num_heads, num_kv_heads, head_dim, block_size, num_blocks,
                                    max_blocks_per_req, scale, sliding_window); break;
     }

@@ -22,7 +22,7 @@ namespace {
 
 template <typename Dtype, typename T = typename Dtype::storage>
 void silu_and_mul(const T* gate_up, T* out, int rows, int d) {
-    #pragma omp parallel for if (int64_t(rows) * d >= (1 << 16))
+    #pragma omp parallel for if (int64_t(rows) * d >= (1 << 13))
     for (int r = 0; r < rows; ++r) {
         const T* gate = gate_up + int64_t(r) * 2 * d;
         const T* up = gate + d;
