@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from microvllm.sample.cpu_kernels import greedy_argmax
 from microvllm.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.penalties import apply_min_tokens_penalty
@@ -69,8 +70,9 @@ class Sampler(nn.Module):
         ### BEGIN SOLUTION
         greedy_sampled = None
         if not sampling_metadata.all_random:
-            # Exactly torch.argmax, as Hugging Face greedy search does: same ids.
-            greedy_sampled = logits.argmax(dim=-1)
+            # Exactly torch.argmax, as Hugging Face greedy search does: same ids (on a
+            # CPU a C++ pass, sample/cpu_kernels/argmax.cpp; torch.argmax elsewhere).
+            greedy_sampled = greedy_argmax(logits)
             if sampling_metadata.all_greedy:
                 return greedy_sampled
 
