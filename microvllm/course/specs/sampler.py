@@ -14,6 +14,7 @@ drawn — seeded requests from their own generator, so their tokens do not depen
 import torch
 from torch import nn
 
+from microvllm.sample.cpu_kernels import greedy_argmax
 from microvllm.sample.logprobs import compute_logprobs, gather_logprobs
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.penalties import apply_min_tokens_penalty
