@@ -175,3 +175,99 @@ def test_write_kv_refuses_a_slot_outside_the_cache():
         cpu_kernels.write_kv(rows, rows, cache, torch.tensor([3, 64]))
     with pytest.raises(ValueError, match="slot_mapping"):
         cpu_kernels.write_kv(rows, rows, cache, torch.tensor([3]))
+
+
+needs_prefill_kernel = pytest.mark.skipif(not cpu_kernels.prefill_supported(64),
+                                          reason="the prefill kernel needs an AVX-512 build")
+PREFILL_HEADS = {"9:3": (9, 3), "4:1": (4, 1), "mha": (2, 2)}
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("heads", list(PREFILL_HEADS))
+@pytest.mark.parametrize("window", list(WINDOWS))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prefill_kernel_matches_reference(dtype, heads, window, block_size, request):
+    """Fresh prompts and chunks over cached context, of lengths that end inside a
+    16-query tile and a 16-key tile, over a NaN-poisoned cache: reading any slot outside
+    a request's context would put NaN in the output."""
+    from tests.attention.cases import DTYPES
+    num_heads, num_kv_heads = PREFILL_HEADS[heads]
+    query_lens, seq_lens = [1, 16, 37, 6, 70], [1, 16, 37, 38, 100]
+    query, kv_cache, metadata = random_paged_batch(
+        query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+        block_size=block_size, dtype=DTYPES[dtype], seed=seed_for(request.node.name))
+    expected = paged_attention_torch(query, kv_cache, metadata, scale=0.125,
+                                     sliding_window=WINDOWS[window])
+    out = torch.full_like(query, float("nan"))
+    cpu_kernels.paged_attention_prefill(query, kv_cache, metadata.block_table, metadata.query_start_loc,
+                                        metadata.seq_lens, out, scale=0.125,
+                                        sliding_window=WINDOWS[window])
+    assert_matches(out, expected, sum(query_lens))
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_kernel_long_prompts(head_dim, request):
+    seed = seed_for(request.node.name)
+    lens = torch.randint(100, 400, (3,), generator=torch.Generator().manual_seed(seed)).tolist()
+    query, kv_cache, metadata = random_paged_batch(lens, lens, num_heads=9, num_kv_heads=3,
+                                                   head_dim=head_dim, block_size=16, seed=seed)
+    expected = paged_attention_torch(query, kv_cache, metadata, scale=head_dim ** -0.5)
+    out = cpu_kernels.paged_attention_prefill(query, kv_cache, metadata.block_table,
+                                              metadata.query_start_loc, metadata.seq_lens,
+                                              torch.empty_like(query), scale=head_dim ** -0.5)
+    assert_matches(out, expected, sum(lens))
+
+
+@needs_prefill_kernel
+def test_cpu_backend_sends_prefill_chunks_to_the_kernel(monkeypatch, request):
+    """A mixed step in the runner's order (decodes first): decodes through the decode
+    kernel, prefill chunks through the prefill kernel, all rows equal to the reference."""
+    calls = []
+    real = cpu_kernels.paged_attention_prefill
+    monkeypatch.setattr(cpu_kernels, "paged_attention_prefill",
+                        lambda *a, **kw: calls.append(len(a[4])) or real(*a, **kw))
+    query_lens, seq_lens = [1, 1, 20, 33], [30, 7, 20, 50]
+    query, kv_cache, metadata = random_paged_batch(query_lens, seq_lens, num_heads=9, num_kv_heads=3,
+                                                   head_dim=64, block_size=16,
+                                                   seed=seed_for(request.node.name), poison=False)
+    metadata.num_decodes = 2
+    got = get_attention_backend("cpu").forward(query, kv_cache, metadata, scale=0.125)
+    assert calls == [2]                                   # the two prefill chunks, one call
+    assert_matches(got, paged_attention_torch(query, kv_cache, metadata, scale=0.125), sum(query_lens))
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_refuses_inputs_it_cannot_take():
+    query, kv_cache, metadata = random_paged_batch([5], [5], num_heads=2, num_kv_heads=1,
+                                                   head_dim=64, block_size=16)
+    args = (query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
+            torch.empty_like(query))
+    with pytest.raises(ValueError, match="block_table holds"):
+        cpu_kernels.paged_attention_prefill(*args[:4], metadata.seq_lens + 100, args[5], scale=1.0)
+    with pytest.raises(TypeError, match="int32"):
+        cpu_kernels.paged_attention_prefill(*args[:4], metadata.seq_lens.long(), args[5], scale=1.0)
+    with pytest.raises(ValueError, match="head_dim=24"):
+        q24 = torch.randn(5, 2, 24)
+        cpu_kernels.paged_attention_prefill(q24, kv_cache[..., :24].contiguous(), *args[2:5],
+                                            torch.empty_like(q24), scale=1.0)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype,longest,kernel", [(torch.float32, 600, True), (torch.bfloat16, 300, True),
+                                                  (torch.bfloat16, 600, False)])
+def test_low_precision_long_chunks_go_to_sdpa(dtype, longest, kernel, monkeypatch):
+    """float32 chunks always take the kernel; bfloat16 ones only up to
+    LOW_PRECISION_PREFILL_MAX tokens (SDPA's bfloat16 matmuls win on longer ones)."""
+    from microvllm.attention import cpu_backend
+    assert cpu_backend.LOW_PRECISION_PREFILL_MAX < 600
+    calls = []
+    real = cpu_kernels.paged_attention_prefill
+    monkeypatch.setattr(cpu_kernels, "paged_attention_prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    query, kv_cache, metadata = random_paged_batch([1, longest], [9, longest], num_heads=2, num_kv_heads=1,
+                                                   head_dim=64, block_size=16, dtype=dtype, poison=False)
+    metadata.num_decodes = 1
+    got = get_attention_backend("cpu").forward(query, kv_cache, metadata, scale=0.125)
+    assert bool(calls) == kernel
+    assert_matches(got, paged_attention_torch(query, kv_cache, metadata, scale=0.125), len(query))

@@ -1,5 +1,6 @@
-"""Call the C++ paged-attention kernel for CPUs (``paged_attention.cpp``), and its
-``write_kv``, which stores a step's new keys and values in the paged cache.
+"""Call the C++ paged-attention kernels for CPUs: decodes (``paged_attention.cpp``, with
+``write_kv``, which stores a step's new keys and values in the paged cache) and prefill
+chunks (``prefill_attention.cpp``, on AVX-512 CPUs).
 
 The kernel is compiled on first use and cached on disk by ``microvllm.cpp_extension``
 (``-march=native``, OpenMP from the runtime torch already loaded), then loaded with
@@ -22,6 +23,7 @@ from microvllm import cpp_extension
 from microvllm.cpp_extension import DTYPE_CODES
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
+PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cpp")
 
 
 def build() -> Path:
@@ -43,6 +45,28 @@ def load() -> ctypes.CDLL:
     lib.write_kv.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
                              + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def load_prefill() -> ctypes.CDLL:
+    """Build (if needed) and load the prefill kernel library, once per process."""
+    lib = ctypes.CDLL(str(cpp_extension.build(PREFILL_SOURCE)))
+    lib.prefill_supported.restype = ctypes.c_int
+    lib.prefill_supported.argtypes = [ctypes.c_int]
+    fn = lib.paged_attention_prefill
+    fn.restype = None
+    fn.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
+                   + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int])
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def prefill_supported(head_dim: int) -> bool:
+    """Whether the prefill kernel runs here for this head size (an AVX-512 build, head
+    size 64 or 128); where not, prefill chunks go through SDPA."""
+    if cpp_extension.unavailable_reason(load_prefill) is not None:
+        return False
+    return bool(load_prefill().prefill_supported(head_dim))
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,3 +159,48 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     if bad >= 0:
         raise IndexError(f"slot_mapping[{bad}] = {int(slots[bad])} is outside the cache's "
                          f"{num_blocks * block_size} slots (num_blocks x block_size)")
+
+
+def paged_attention_prefill(query: torch.Tensor, kv_cache: torch.Tensor,
+                            block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, out: torch.Tensor, *, scale: float,
+                            sliding_window: int | None = None) -> torch.Tensor:
+    """Prefill attention straight from the paged cache (see ``prefill_attention.cpp``).
+
+    Request ``r``'s queries are rows ``query_start_loc[r] .. query_start_loc[r+1]`` of
+    ``query [num_tokens, num_heads, head_dim]`` (heads contiguous within a row); query
+    ``i`` of a chunk of ``q`` sits at position ``seq_lens[r] - q + i`` and sees keys up to
+    it. Their rows of ``out`` (contiguous, same shape) are written; other rows are left
+    alone. Needs ``prefill_supported(head_dim)``.
+    """
+    num_reqs = seq_lens.shape[0]
+    num_tokens, num_heads, head_dim = query.shape
+    if not prefill_supported(head_dim):
+        raise ValueError(f"the prefill kernel does not run here for head_dim={head_dim}: "
+                         "check prefill_supported() first")
+    if query.stride(2) != 1 or query.stride(1) != head_dim or query.device.type != "cpu":
+        raise ValueError("query must be a CPU tensor whose heads are contiguous within a row")
+    if kv_cache.dtype != query.dtype or out.dtype != query.dtype or out.shape != query.shape:
+        raise TypeError("query, kv_cache and out must share a dtype (and query and out a shape)")
+    for name, t in (("kv_cache", kv_cache), ("block_table", block_table), ("out", out),
+                    ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    if query_start_loc.shape != (num_reqs + 1,) or block_table.shape[0] != num_reqs:
+        raise ValueError("query_start_loc must have num_reqs + 1 entries and block_table a row "
+                         "per request")
+    if any(t.dtype != torch.int32 for t in (query_start_loc, seq_lens, block_table)):
+        raise TypeError("block_table, query_start_loc and seq_lens must be int32")
+    if num_reqs:
+        longest, room = int(seq_lens.max()), block_table.shape[1] * kv_cache.shape[2]
+        if longest > room or int(query_start_loc[-1]) > num_tokens:
+            raise ValueError(f"seq_lens reach {longest} tokens (block_table holds {room}) or "
+                             f"query_start_loc runs past the {num_tokens} query rows")
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        with cpp_extension.profiled("microvllm::paged_attention_prefill"):
+            load_prefill().paged_attention_prefill(
+                DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), kv_cache.data_ptr(),
+                block_table.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+                out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+                num_blocks, block_table.shape[1], scale, sliding_window or 0)
+    return out

@@ -57,19 +57,6 @@ inline void prefetch(const void* p, int bytes) {
     for (int byte = 0; byte < bytes; byte += 64) __builtin_prefetch(line + byte);
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-// 16 stored elements as 16 floats in a zmm register.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {   // bfloat16: its bits are a float's top half
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const _Float16* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
 
 // HEAD_DIM > 0 is a compile-time head size (the common ones: the inner loops unroll
 // into a few vector instructions); 0 reads it at run time.
