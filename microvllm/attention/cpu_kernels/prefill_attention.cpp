@@ -35,7 +35,7 @@
 // and slower beyond (SDPA then multiplies in bfloat16 on the AMX units), so the
 // backend keeps long low-precision chunks on SDPA.
 //
-// Needs AVX-512 and head_dim % 16 == 0 (prefill_supported() says); the caller falls back
+// Needs AVX-512 and head_dim 64 or 128 (prefill_supported() says); the caller falls back
 // to SDPA otherwise. Built and loaded by cpu_kernels/__init__.py; compared with the
 // torch reference in tests/attention/test_cpu_kernel.py.
 
