@@ -11,6 +11,7 @@
 //
 // Compiled with -ffast-math, which lets the compiler assume there are no NaNs: the NaN
 // tests are therefore intrinsics and bit tests, never `x != x` or std::isnan.
+// vLLM's CPU build has the same kernel (greedy_argmax, csrc/cpu/sampling_kernels.cpp).
 // Built and loaded by sample/cpu_kernels/__init__.py; compared with torch.argmax in
 // tests/sample/test_argmax_kernel.py.
 
