@@ -19,7 +19,7 @@ SmolLM2's prompts of up to a few hundred tokens at 20-50 GFLOP/s on 2 cores, the
 prefill kernel at 70-115 (2-3x faster). In bfloat16, SDPA multiplies in bfloat16 on
 the CPU's matrix units and wins on long chunks; the kernel's math is float32, so it
 takes bfloat16 and float16 steps only while their longest chunk is at most
-``LOW_PRECISION_PREFILL_MAX`` tokens (measured even at 384-512).
+``LOW_PRECISION_PREFILL_MAX`` tokens (the two measured even at 384-512).
 
 This is vLLM's layout of work too: its CPU backend calls C++ kernels for attention
 (``csrc/cpu/attention.cpp``, ``cpu_attn.cpp``) and ``reshape_and_cache``
@@ -65,15 +65,13 @@ class CPUAttentionBackend(AttentionBackend):
                 out=out[rows] if isinstance(rows, slice) else None)  # in place when it can be
             if not isinstance(rows, slice):
                 out[rows] = decoded
-        if metadata.num_decodes is None or metadata.num_decodes == metadata.num_reqs:
-            if metadata.num_decodes is None:   # no promised order: SDPA finds the chunks
-                prefill_chunks(query, kv_cache, metadata, out, scale=scale, sliding_window=sliding_window)
-        elif self.prefill_kernel_applies(query, metadata):
-            n = metadata.num_decodes   # requests n.. are the prefill chunks
-            cpu_kernels.paged_attention_prefill(
-                query, kv_cache, metadata.block_table[n:], metadata.query_start_loc[n:],
-                metadata.seq_lens[n:], out, scale=scale, sliding_window=sliding_window)
-        else:
+        n = metadata.num_decodes   # with the runner's order, requests n.. are the prefill chunks
+        if n is not None and self.prefill_kernel_applies(query, metadata):
+            if n < metadata.num_reqs:
+                cpu_kernels.paged_attention_prefill(
+                    query, kv_cache, metadata.block_table[n:], metadata.query_start_loc[n:],
+                    metadata.seq_lens[n:], out, scale=scale, sliding_window=sliding_window)
+        else:   # one SDPA call per chunk (it finds them, skipping the decodes)
             prefill_chunks(query, kv_cache, metadata, out, scale=scale, sliding_window=sliding_window)
         return out
 
