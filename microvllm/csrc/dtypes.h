@@ -8,8 +8,6 @@
 //   Dtype::round(f)  store then load: the float32 value a tensor of this dtype would hold
 //                    (Float32 and BFloat16, the types norm_rope.cpp rounds in)
 //
-//   load16(p)        (AVX-512 builds) 16 elements -> one zmm register of float32
-//
 // bfloat16 is stored as plain uint16_t (not a struct) so that compilers vectorize loops
 // over it.
 #pragma once
@@ -47,17 +45,3 @@ struct Float16 {
     static float load(_Float16 x) { return float(x); }
     static _Float16 store(float x) { return _Float16(x); }
 };
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-// load16(p): 16 stored elements as 16 float32 lanes of a zmm register (exactly).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {   // bfloat16: its bits are a float's top half
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const _Float16* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "dtypes.h"  // Float32, BFloat16, Float16: storage and conversions
+#include "vec512.h"  // load16 (AVX-512 builds)
 
 #ifdef _OPENMP
 #include <omp.h>

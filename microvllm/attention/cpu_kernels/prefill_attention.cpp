@@ -46,7 +46,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "dtypes.h"  // Float32, BFloat16, Float16, load16
+#include "dtypes.h"  // Float32, BFloat16, Float16
+#include "vec512.h"  // load16, exp512 (AVX-512 builds)
 
 #ifndef _OPENMP
 inline int omp_get_max_threads() { return 1; }
@@ -59,24 +60,6 @@ constexpr int QT = 16;   // queries per tile
 constexpr int KT = 16;   // keys per tile: one zmm of scores per query
 constexpr float MASKED = -1e30f;   // a hidden key's score: exp() of it is 0, and no inf
                                    // arithmetic (the build assumes finite math)
-
-// exp of 16 lanes, inline (a call of the vector math library per tile cost more than
-// the tile's arithmetic): x = n·ln2 + r with |r| <= ln2/2, e^r by Cephes' degree-6
-// polynomial (about 1 ulp), times 2^n by vscalefps, which flushes to 0 below float's
-// range. Inputs are clamped first: exp(-104) is already 0 in float32.
-inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);   // x - n·ln2, in two
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);      // parts for accuracy
-    __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
-    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                          1.6666665459e-1f, 5.0000001201e-1f})
-        poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
-    poly = _mm512_fmadd_ps(_mm512_mul_ps(poly, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(poly, n);
-}
 
 template <typename Dtype, int HEAD_DIM, typename T = typename Dtype::storage>
 void prefill(const T* query, int64_t query_stride, const T* kv_cache, const int32_t* block_table,
