@@ -6,6 +6,8 @@
 // the traffic: every step reads all of them once. oneDNN, which torch uses, streamed
 // them at 5-9 GB/s at such M on a 2-core Sapphire Rapids; this kernel streams them
 // near the machine's read bandwidth, with each weight byte read once per call.
+// Software prefetch of the weight tiles a few k blocks ahead made it another 1.2x
+// (1 row) to 1.5x (8 rows) faster: SmolLM2's 120 projections in 12-15 ms at 1-32 rows.
 //
 // AMX has eight tile registers tmm0-7 of up to 16 rows x 64 bytes, and one instruction
 // that matters here, tdpbf16ps C, A, B:
@@ -49,6 +51,10 @@ constexpr int TILE_M = 16;   // rows of an A or C tile
 constexpr int TILE_N = 16;   // float32 columns of a C tile
 constexpr int TILE_K = 32;   // bf16 elements in a row of an A tile (64 bytes)
 constexpr int TILE_BYTES = 1024;
+constexpr int PREFETCH_AHEAD = 4;   // k blocks; 2-8 measured alike
+
+// An inline function, not a lambda: GCC dropped __builtin_prefetch inside a [&] lambda.
+inline void prefetch_line(const char* p) { __builtin_prefetch(p, 0, 3); }
 
 // The 64-byte operand of ldtilecfg: the shape of each tile register.
 struct TileConfig {
@@ -91,6 +97,15 @@ void tile_task(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
     if (TWO_M) _tile_zero(2);
     if (TWO_M && TWO_N) _tile_zero(3);
     for (int kb = 0; kb < k_blocks; ++kb) {
+        // Ask for the B tiles PREFETCH_AHEAD k blocks ahead now (past this task's last
+        // block that is the next task's first: packed tiles are contiguous), so that
+        // reading W overlaps the tile multiplies instead of stalling each tile load.
+        const char* ahead0 = reinterpret_cast<const char*>(w0 + (kb + PREFETCH_AHEAD) * (TILE_BYTES / 2));
+        const char* ahead1 = reinterpret_cast<const char*>(w1 + (kb + PREFETCH_AHEAD) * (TILE_BYTES / 2));
+        for (int line = 0; line < TILE_BYTES; line += 64) {
+            prefetch_line(ahead0 + line);
+            if (TWO_N) prefetch_line(ahead1 + line);
+        }
         _tile_loadd(4, x + kb * TILE_K, x_stride);
         if (TWO_M) _tile_loadd(5, x + TILE_M * K + kb * TILE_K, x_stride);
         _tile_loadd(6, w0 + kb * (TILE_BYTES / 2), 64);
