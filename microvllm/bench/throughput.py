@@ -445,7 +445,8 @@ def bench_prefix(args, model_path: Path, cost: ModelCost) -> None:
 PROJECTION_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
                   "microvllm::amx_linear", "microvllm::avx512_linear"}  # C++ kernels: cpp_extension.profiled ranges
 ATTENTION_OPS = {"aten::index_select", "aten::index_copy_", "aten::scaled_dot_product_attention",
-                 "microvllm::paged_attention_decode"}
+                 "microvllm::paged_attention_decode", "microvllm::paged_attention_prefill",
+                 "microvllm::write_kv"}
 
 
 def op_kind(name: str) -> str:
@@ -494,7 +495,7 @@ def profile_decode(llm, cost: ModelCost, batch: int, args) -> None:
                 for _ in range(num_steps):
                     llm.engine.step()
             averages = prof.key_averages()
-            print(averages.table(sort_by="self_cpu_time_total", row_limit=int(__import__("os").environ.get("ROWS", 12)),
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=12,
                                  max_name_column_width=40))
             print(where_the_time_goes(averages, num_steps))
         else:
