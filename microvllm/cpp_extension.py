@@ -27,6 +27,7 @@ use instead keeps ``pip install`` free of a compiler step.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
@@ -78,6 +79,24 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def load_library(source: Path, functions: dict[str, tuple], *, cpu_needs: tuple[str, ...] = (),
+                 otherwise: str = "") -> ctypes.CDLL:
+    """Build ``source`` (if needed) and load it with ctypes, declaring each C function
+    ``name: (restype, argtypes)`` so that ctypes converts its arguments. With
+    ``cpu_needs`` (``/proc/cpuinfo`` flags), a CPU that lacks any of them raises
+    ``KernelUnavailable`` first: "this CPU lacks <flags><otherwise>"."""
+    missing = [flag for flag in cpu_needs if flag not in cpu_flags()]
+    if missing:
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}{otherwise}")
+    # torch is imported (above) before the library loads, so the library's OpenMP
+    # calls bind to the runtime torch already loaded: one thread pool, not two.
+    lib = ctypes.CDLL(str(build(source)))
+    for name, (restype, argtypes) in functions.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
 
 
 def build(source: Path) -> Path:

@@ -34,30 +34,24 @@ def build() -> Path:
 @functools.lru_cache(maxsize=None)
 def load() -> ctypes.CDLL:
     """Build (if needed) and load the kernel library, once per process."""
-    # torch is imported (above) before the library loads, so the library's OpenMP
-    # calls bind to the runtime torch already loaded: one thread pool, not two.
-    lib = ctypes.CDLL(str(build()))
-    fn = lib.paged_attention_decode
-    fn.restype = None
-    fn.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
-                   + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int])
-    lib.write_kv.restype = ctypes.c_int
-    lib.write_kv.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
-                             + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
-    return lib
+    return cpp_extension.load_library(SOURCE, {
+        "paged_attention_decode": (None, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+                                   + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 7
+                                   + [ctypes.c_float, ctypes.c_int]),
+        "write_kv": (ctypes.c_int, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+                     + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]),
+    })
 
 
 @functools.lru_cache(maxsize=None)
 def load_prefill() -> ctypes.CDLL:
     """Build (if needed) and load the prefill kernel library, once per process."""
-    lib = ctypes.CDLL(str(cpp_extension.build(PREFILL_SOURCE)))
-    lib.prefill_supported.restype = ctypes.c_int
-    lib.prefill_supported.argtypes = [ctypes.c_int]
-    fn = lib.paged_attention_prefill
-    fn.restype = None
-    fn.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
-                   + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int])
-    return lib
+    return cpp_extension.load_library(PREFILL_SOURCE, {
+        "prefill_supported": (ctypes.c_int, [ctypes.c_int]),
+        "paged_attention_prefill": (None, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+                                    + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7
+                                    + [ctypes.c_float, ctypes.c_int]),
+    })
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,7 +69,9 @@ def kernel_status() -> str | None:
     return cpp_extension.unavailable_reason(load)
 
 
-def check_inputs(query, kv_cache, block_table, seq_lens, out) -> None:
+def check_inputs(query, kv_cache, block_table, seq_lens, out, num_reqs: int | None = None) -> None:
+    """What C++ cannot check, for both kernels: ``num_reqs`` requests (default: one per
+    query row, as in a decode) with a ``block_table`` row and a ``seq_lens`` entry each."""
     if query.dtype not in DTYPE_CODES:
         raise TypeError(f"the CPU attention kernel supports {sorted(map(str, DTYPE_CODES))}, "
                         f"not {query.dtype}")
@@ -84,7 +80,8 @@ def check_inputs(query, kv_cache, block_table, seq_lens, out) -> None:
                         f"{kv_cache.dtype}, {out.dtype}")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise TypeError("block_table and seq_lens must be int32")
-    num_reqs, num_heads, head_dim = query.shape
+    num_rows, num_heads, head_dim = query.shape
+    num_reqs = num_rows if num_reqs is None else num_reqs
     if query.device.type != "cpu" or query.stride(2) != 1 or query.stride(1) != head_dim:
         raise ValueError("query must be a CPU tensor whose heads are contiguous within a row "
                          "(rows may be apart, as in a view of the QKV output)")
@@ -178,24 +175,15 @@ def paged_attention_prefill(query: torch.Tensor, kv_cache: torch.Tensor,
     if not prefill_supported(head_dim):
         raise ValueError(f"the prefill kernel does not run here for head_dim={head_dim}: "
                          "check prefill_supported() first")
-    if query.stride(2) != 1 or query.stride(1) != head_dim or query.device.type != "cpu":
-        raise ValueError("query must be a CPU tensor whose heads are contiguous within a row")
-    if kv_cache.dtype != query.dtype or out.dtype != query.dtype or out.shape != query.shape:
-        raise TypeError("query, kv_cache and out must share a dtype (and query and out a shape)")
-    for name, t in (("kv_cache", kv_cache), ("block_table", block_table), ("out", out),
-                    ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CPU tensor")
-    if query_start_loc.shape != (num_reqs + 1,) or block_table.shape[0] != num_reqs:
-        raise ValueError("query_start_loc must have num_reqs + 1 entries and block_table a row "
-                         "per request")
-    if any(t.dtype != torch.int32 for t in (query_start_loc, seq_lens, block_table)):
+    check_inputs(query, kv_cache, block_table, seq_lens, out, num_reqs)
+    if query_start_loc.dtype != torch.int32:
         raise TypeError("block_table, query_start_loc and seq_lens must be int32")
+    if (query_start_loc.shape != (num_reqs + 1,) or not query_start_loc.is_contiguous()
+            or query_start_loc.device.type != "cpu"):
+        raise ValueError("query_start_loc must be a contiguous CPU tensor of num_reqs + 1 entries")
     if num_reqs:
-        longest, room = int(seq_lens.max()), block_table.shape[1] * kv_cache.shape[2]
-        if longest > room or int(query_start_loc[-1]) > num_tokens:
-            raise ValueError(f"seq_lens reach {longest} tokens (block_table holds {room}) or "
-                             f"query_start_loc runs past the {num_tokens} query rows")
+        if int(query_start_loc[-1]) > num_tokens:
+            raise ValueError(f"query_start_loc runs past the {num_tokens} query rows")
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         with cpp_extension.profiled("microvllm::paged_attention_prefill"):
             load_prefill().paged_attention_prefill(

@@ -41,17 +41,12 @@
 
 #include <algorithm>
 #include <cfloat>
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #include "dtypes.h"  // Float32, BFloat16, Float16
 #include "vec512.h"  // load16, exp512 (AVX-512 builds)
-
-#ifndef _OPENMP
-inline int omp_get_max_threads() { return 1; }
-#endif
 
 namespace {
 

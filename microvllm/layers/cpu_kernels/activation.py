@@ -22,10 +22,9 @@ SOURCE = Path(__file__).with_name("activation.cpp")
 @functools.lru_cache(maxsize=None)
 def load_activation() -> ctypes.CDLL:
     """Build (if needed) and load the activation kernel."""
-    lib = ctypes.CDLL(str(cpp_extension.build(SOURCE)))
-    lib.silu_and_mul.restype = None
-    lib.silu_and_mul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    return lib
+    return cpp_extension.load_library(SOURCE, {
+        "silu_and_mul": (None, [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
+    })
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,16 +26,13 @@ REQUIRED_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
 @functools.lru_cache(maxsize=None)
 def load_amx() -> ctypes.CDLL:
     """Build (if needed) and load the AMX kernel, and get Linux's permission to use AMX."""
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpp_extension.cpu_flags()]
-    if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (AMX): bfloat16 "
-                                "projections use oneDNN instead")
-    lib = ctypes.CDLL(str(cpp_extension.build(SOURCE)))
+    lib = cpp_extension.load_library(
+        SOURCE, {"amx_init": (ctypes.c_int, []),
+                 "amx_linear": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3)},
+        cpu_needs=REQUIRED_CPU_FLAGS, otherwise=" (AMX): bfloat16 projections use oneDNN instead")
     if lib.amx_init() != 0:
         raise KernelUnavailable("Linux refused this process the AMX tile registers "
                                 "(arch_prctl ARCH_REQ_XCOMP_PERM needs Linux 5.16 or newer)")
-    lib.amx_linear.restype = None
-    lib.amx_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     return lib
 
 

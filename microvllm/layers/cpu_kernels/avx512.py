@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from microvllm import cpp_extension
-from microvllm.cpp_extension import KernelUnavailable
 
 SOURCE = Path(__file__).with_name("avx512_linear.cpp")
 PANEL = 48      # output columns per panel (three 16-float vectors)
@@ -27,14 +26,9 @@ REQUIRED_CPU_FLAGS = ("avx512f",)
 @functools.lru_cache(maxsize=None)
 def load_avx512() -> ctypes.CDLL:
     """Build (if needed) and load the AVX-512 float32 linear kernel."""
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpp_extension.cpu_flags()]
-    if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}: float32 projections "
-                                "use oneDNN and MKL instead")
-    lib = ctypes.CDLL(str(cpp_extension.build(SOURCE)))
-    lib.avx512_linear.restype = None
-    lib.avx512_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-    return lib
+    return cpp_extension.load_library(
+        SOURCE, {"avx512_linear": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3)},
+        cpu_needs=REQUIRED_CPU_FLAGS, otherwise=": float32 projections use oneDNN and MKL instead")
 
 
 @functools.lru_cache(maxsize=None)

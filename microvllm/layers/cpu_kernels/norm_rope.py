@@ -23,11 +23,10 @@ NORM_ROPE_DTYPES = (torch.float32, torch.bfloat16)   # what norm_rope.cpp handle
 @functools.lru_cache(maxsize=None)
 def load_norm_rope() -> ctypes.CDLL:
     """Build (if needed) and load the RMSNorm / RoPE kernels."""
-    lib = ctypes.CDLL(str(cpp_extension.build(SOURCE)))
-    lib.rms_norm.restype = lib.rope.restype = None
-    lib.rms_norm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
-    lib.rope.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64]
-    return lib
+    return cpp_extension.load_library(SOURCE, {
+        "rms_norm": (None, [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]),
+        "rope": (None, [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64]),
+    })
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,10 +22,9 @@ SOURCE = Path(__file__).with_name("argmax.cpp")
 @functools.lru_cache(maxsize=None)
 def load_argmax() -> ctypes.CDLL:
     """Build (if needed) and load the argmax kernel."""
-    lib = ctypes.CDLL(str(cpp_extension.build(SOURCE)))
-    lib.argmax_rows.restype = None
-    lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-    return lib
+    return cpp_extension.load_library(SOURCE, {
+        "argmax_rows": (None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]),
+    })
 
 
 @functools.lru_cache(maxsize=None)
