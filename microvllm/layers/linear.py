@@ -105,6 +105,17 @@ class PackedGemm:
         for kind in self._refresh(weight):
             self._pack(weight, kind)
 
+    def packings(self, weight: torch.Tensor) -> list[str]:
+        """The packs ``weight`` can use here (``"amx"`` or ``"avx512"``, ``"onednn"``)."""
+        return self._refresh(weight)
+
+    def pack(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
+        """``weight``'s ``kind`` pack, as a call would use it now (remade if ``weight``
+        changed); for callers that run the kernel themselves (``DecodeFastPath``)."""
+        if kind not in self._refresh(weight):
+            raise ValueError(f"a {weight.dtype} {list(weight.shape)} weight has no {kind!r} pack here")
+        return self._pack(weight, kind)
+
     def _choose(self, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> str | None:
         """The pack this call uses (see the table above), or None for ``F.linear``."""

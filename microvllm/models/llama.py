@@ -30,6 +30,7 @@ from microvllm.layers.attention import Attention
 from microvllm.layers.layernorm import RMSNorm
 from microvllm.layers.linear import Linear, PackedGemm
 from microvllm.layers.rotary_embedding import RotaryEmbedding, rotate
+from microvllm.models import decode_fast_path
 from microvllm.models.kv_cache_layout import KVCacheLayout
 
 
@@ -120,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
             # embedding) through one pre-packed gemm.
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_gemm = PackedGemm()
+        self.decode_fast_path = None   # set by prepack_weights where it applies (CPU decode steps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
@@ -128,9 +130,15 @@ class LlamaForCausalLM(nn.Module):
         only for the rows that need them)."""
         hidden, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin(positions)  # once per step, not once per layer
-        for i, layer in enumerate(self.layers):
-            metadata = attn_metadata[self.layout.layer_to_group[i]]
-            hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], metadata)
+        fast = self.decode_fast_path
+        if fast is not None and fast.applies(len(input_ids), attn_metadata):
+            # The same layers as the loop below, as one loop of C kernel calls (a CPU
+            # decode step's answer to CUDA graphs: see models/decode_fast_path.py).
+            hidden, residual = fast(hidden, cos_sin, kv_caches, attn_metadata)
+        else:
+            for i, layer in enumerate(self.layers):
+                metadata = attn_metadata[self.layout.layer_to_group[i]]
+                hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], metadata)
         hidden, _ = self.norm(hidden, residual)   # the last MLP's output added, then normalised
         return hidden
 
@@ -147,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.gemm.prepack(module.weight)
         self.logits_gemm.prepack(self.logits_weight)
+        if decode_fast_path.unsupported_reason(self) is None:
+            self.decode_fast_path = decode_fast_path.DecodeFastPath(self)
 
     # Hugging Face checkpoint names -> our fused parameters: (ours, theirs, shard index).
     stacked_params = [

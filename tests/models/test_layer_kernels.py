@@ -136,4 +136,6 @@ def test_bfloat16_engine_tokens_do_not_change_with_the_kernels(family, tmp_path,
     with_kernels = generate()
     monkeypatch.setattr(cpu_kernels, "norm_rope_applies", lambda *tensors: False)
     monkeypatch.setattr(cpu_kernels, "activation_applies", lambda gate_up: False)
+    from microvllm.models import decode_fast_path   # which calls the kernels without asking
+    monkeypatch.setattr(decode_fast_path, "unsupported_reason", lambda model: "off in this test")
     assert generate() == with_kernels

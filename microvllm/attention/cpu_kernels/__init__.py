@@ -154,8 +154,13 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                               num_blocks * block_size, num_kv_heads * head_dim,
                               kv_cache.element_size())
     if bad >= 0:
-        raise IndexError(f"slot_mapping[{bad}] = {int(slots[bad])} is outside the cache's "
-                         f"{num_blocks * block_size} slots (num_blocks x block_size)")
+        raise bad_slot_error(slots, bad, num_blocks * block_size)
+
+
+def bad_slot_error(slots: torch.Tensor, bad: int, num_slots: int) -> IndexError:
+    """The error for a slot ``write_kv``'s C function refused (it returns the token's index)."""
+    return IndexError(f"slot_mapping[{bad}] = {int(slots[bad])} is outside the cache's "
+                      f"{num_slots} slots (num_blocks x block_size)")
 
 
 def paged_attention_prefill(query: torch.Tensor, kv_cache: torch.Tensor,

@@ -41,14 +41,22 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int rows, int hi
         T* res = residual ? residual + int64_t(r) * hidden : nullptr;
         T* o = out + int64_t(r) * hidden;
         float sum_sq = 0.f;
-        #pragma omp simd reduction(+ : sum_sq)
-        for (int i = 0; i < hidden; ++i) {
-            float s = Dtype::load(xr[i]);
-            if (res) {
-                s = Dtype::round(s + Dtype::load(res[i]));
+        // Two loops, not one with `if (res)` inside: vectorized, that test becomes masked
+        // loads from res, and with res null every one of them needs the CPU's slow
+        // fault-suppression assist (the norm ran 5x slower without a residual).
+        if (res) {
+            #pragma omp simd reduction(+ : sum_sq)
+            for (int i = 0; i < hidden; ++i) {
+                const float s = Dtype::round(Dtype::load(xr[i]) + Dtype::load(res[i]));
                 res[i] = Dtype::store(s);
+                sum_sq += s * s;
             }
-            sum_sq += s * s;
+        } else {
+            #pragma omp simd reduction(+ : sum_sq)
+            for (int i = 0; i < hidden; ++i) {
+                const float s = Dtype::load(xr[i]);
+                sum_sq += s * s;
+            }
         }
         const float inv_rms = 1.f / std::sqrt(sum_sq / float(hidden) + eps);
         const T* s = res ? res : xr;
