@@ -457,11 +457,24 @@ def op_kind(name: str) -> str:
     return "other"
 
 
-def where_the_time_goes(averages, num_steps: int) -> str:
-    """One line from a torch.profiler table: self CPU time per step by kind of operator."""
+# The decode fast path runs every layer in one C call (one profiler range); its own
+# clock (DecodeFastPath.seconds) splits that call by kernel.
+FAST_PATH_RANGE = "microvllm::decode_fast_path"
+FAST_PATH_KINDS = {"gemm": "projections", "attention": "attention", "write_kv": "attention"}
+
+
+def where_the_time_goes(averages, num_steps: int, fast_path_seconds: dict | None = None) -> str:
+    """One line from a torch.profiler table: self CPU time per step by kind of operator
+    (the fast path's range split by ``fast_path_seconds``, its kernels' own times)."""
     totals = {"projections": 0.0, "attention": 0.0, "other": 0.0}
     for event in averages:
-        totals[op_kind(event.key)] += event.self_cpu_time_total / 1e3 / num_steps  # us -> ms
+        ms = event.self_cpu_time_total / 1e3 / num_steps  # us -> ms
+        if event.key == FAST_PATH_RANGE and fast_path_seconds:
+            inside = sum(fast_path_seconds.values()) * 1e3 / num_steps
+            for kernel, seconds in fast_path_seconds.items():
+                totals[FAST_PATH_KINDS.get(kernel, "other")] += seconds * 1e3 / num_steps
+            ms -= inside   # the call's own Python and setup
+        totals[op_kind(event.key)] += ms
     whole = sum(totals.values()) or 1.0
     parts = [f"{kind} {ms:.1f} ms ({ms / whole:.0%})" for kind, ms in totals.items()]
     return f"per decode step (torch ops, self CPU time): {', '.join(parts)}"
@@ -491,13 +504,21 @@ def profile_decode(llm, cost: ModelCost, batch: int, args) -> None:
             waiting -= {o.request_id for o in llm.engine.step() if o.outputs[0].token_ids}
         llm.engine.step()                    # one decode step, unprofiled
         if profiler_kind == "torch":
+            fast = llm.engine.executor.worker.model_runner.model.decode_fast_path
+            if fast is not None:
+                fast.seconds = {}   # its kernels' times, from inside its one C call
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(num_steps):
                     llm.engine.step()
             averages = prof.key_averages()
             print(averages.table(sort_by="self_cpu_time_total", row_limit=12,
                                  max_name_column_width=40))
-            print(where_the_time_goes(averages, num_steps))
+            if fast is not None:
+                print(f"inside {FAST_PATH_RANGE}, per step: " + ", ".join(
+                    f"{kernel} {seconds * 1e3 / num_steps:.1f} ms" for kernel, seconds in fast.seconds.items()))
+            print(where_the_time_goes(averages, num_steps, fast.seconds if fast is not None else None))
+            if fast is not None:
+                fast.seconds = None
         else:
             profiler = cProfile.Profile()
             profiler.enable()

@@ -137,7 +137,7 @@ class PackedGemm:
     def _refresh(self, weight: torch.Tensor) -> list[str]:
         """The packs ``weight`` can use here, worked out once per weight; a changed weight
         drops the old packs."""
-        key = (weight.data_ptr(), weight.dtype, _version(weight), tuple(weight.shape))
+        key = (weight.data_ptr(), weight.dtype, tensor_version(weight), tuple(weight.shape))
         if key != self._key:
             self._key, self._kinds, self._packs = key, _packings(weight), {}
         return self._kinds
@@ -168,7 +168,7 @@ def _packings(weight: torch.Tensor) -> list[str]:
     return kinds
 
 
-def _version(tensor: torch.Tensor) -> int:
+def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's in-place modification counter (tensors made under
     ``torch.inference_mode`` have none; they cannot be updated outside it either)."""
     try:

@@ -1,21 +1,23 @@
-"""A decode step's decoder layers as one plain loop of C kernel calls: the CPU's answer to CUDA graphs.
+"""A decode step's decoder layers in one C++ call: the CPU's answer to CUDA graphs.
 
 In a decode step every operator is small (a few rows), so what it costs is mostly
 the work around it: the module call, the wrapper's checks, a tensor allocation,
 ctypes turning tensors into pointers. That is 20-60 us per operator, and a step of
-SmolLM2-135M runs ~300 of them: a third of a bfloat16 step at batch 32, half of
-it at batch 1. vLLM meets the same problem on a GPU, as kernel-launch overhead, and
+SmolLM2-135M runs ~300 of them: a third of a bfloat16 step at batch 32, half of it
+at batch 1. vLLM meets the same problem on a GPU, as kernel-launch overhead, and
 answers it with CUDA graphs: it records a decode step's kernel launches once per
 batch size and replays them all with one call.
 
-A CPU has no graph to replay, but the same idea removes most of the cost: settle
-everything that is the same for every layer once per step (buffers for every
-intermediate, the attention metadata's pointers, which kernels), then run the layers
-as a loop of the very C functions the modules' wrappers call, with raw pointers::
+A CPU has no graph to replay, but the same idea removes the cost: settle everything
+that is the same for every layer once per step (buffers for every intermediate, the
+attention metadata, which kernels), then run the layers as a loop that calls the very
+C functions the modules' wrappers call. The loop is ``decode_fast_path.cpp``::
 
-    once per step    buffers [T, ...] for x, qkv, qk, attn, h, gate_up, act (T = batch)
-                     block table, seq_lens, slot mapping, cos / sin: checked, as pointers
-    every layer      10 C calls, no tensor made, nothing checked again:
+    once per model   Layer records: each layer's weight pointers (packed for the GEMM
+                     kernel), norm weights, its KV cache, eps, scale, sliding window
+    once per step    buffers [T, ...] for residual, x, h, qkv, qk, attn, gate_up, act
+                     (T = batch); per cache group: block table, seq_lens, slots, checked
+    one C call       decode_layers(): for each layer, 10 kernel calls
 
       rms_norm(h, residual)           -> x        [T, hidden]      residual += h, in place
       gemm(x, W_qkv)                  -> qkv      [T, (Hq + 2 Hkv) d]
@@ -32,7 +34,8 @@ Same kernels in the same order on the same inputs: the result is bit for bit wha
 ``LlamaDecoderLayer`` computes (tests/models/test_decode_fast_path.py checks), and
 ``llama.py`` stays the definition of the model. Measured on a 2-core Sapphire Rapids
 Xeon, SmolLM2-135M, interleaved steps of one engine: bfloat16 36 -> 20 ms per step at
-batch 1 and 60 -> 42 ms at batch 32; float32 50 -> 37 ms and 113 -> 88 ms.
+batch 1 and 60 -> 42 ms at batch 32 with the loop in Python; the loop in C++ takes
+off another ~4 ms of Python per step.
 
 It applies to decode-only steps (every request computes one token) of up to
 ``AMX_MAX_ROWS`` (bfloat16) or ``AVX512_MAX_ROWS`` (float32) requests, on a CPU whose
@@ -42,7 +45,9 @@ Mistral layers (not Qwen3's per-head norms). Every other step runs the modules.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import ctypes
+import functools
+from pathlib import Path
 
 import torch
 
@@ -52,10 +57,51 @@ from microvllm.attention.cpu_backend import CPUAttentionBackend
 from microvllm.attention.metadata import AttentionMetadata
 from microvllm.cpp_extension import DTYPE_CODES
 from microvllm.layers import cpu_kernels
-from microvllm.layers.linear import AMX_MAX_ROWS, AVX512_MAX_ROWS, Linear
+from microvllm.layers.linear import AMX_MAX_ROWS, AVX512_MAX_ROWS, Linear, tensor_version
 
+SOURCE = Path(__file__).with_suffix(".cpp")
 # dtype -> (the PackedGemm pack whose kernel runs the projections, most rows it takes)
 GEMM_KERNELS = {torch.bfloat16: ("amx", AMX_MAX_ROWS), torch.float32: ("avx512", AVX512_MAX_ROWS)}
+# What decode_layers() times with ``seconds`` (its enum, in order).
+KERNEL_KINDS = ("gemm", "attention", "write_kv", "rms_norm", "rope", "silu_and_mul")
+
+
+# ctypes mirrors of decode_fast_path.cpp's structs, field for field.
+class Kernels(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("rms_norm", "rope", "gemm", "write_kv", "paged_attention_decode", "silu_and_mul")]
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in
+                ("dtype", "element_bytes", "hidden", "intermediate", "num_heads", "num_kv_heads",
+                 "head_dim", "block_size", "num_blocks")]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_void_p) for name in
+                 ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+                  "gate_up_bias", "down", "down_bias", "kv_cache")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                   ("sliding_window", ctypes.c_int), ("group", ctypes.c_int)])
+
+
+class Group(ctypes.Structure):
+    _fields_ = [("block_table", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("max_blocks", ctypes.c_int)]
+
+
+class Buffers(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("residual", "x", "h", "qkv", "qk", "attn", "gate_up", "act", "cos", "sin")]
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> ctypes.CDLL:
+    """Build (if needed) and load the layer loop."""
+    return cpp_extension.load_library(SOURCE, {"decode_layers": (ctypes.c_int, [
+        ctypes.POINTER(Kernels), ctypes.POINTER(Shape), ctypes.POINTER(Layer), ctypes.c_int,
+        ctypes.POINTER(Group), ctypes.POINTER(Buffers), ctypes.c_int, ctypes.POINTER(ctypes.c_double)])})
 
 
 def unsupported_reason(model) -> str | None:
@@ -68,13 +114,15 @@ def unsupported_reason(model) -> str | None:
     if model.qk_norm:
         return "per-head query / key norms (Qwen3) are not in the fast path's layer"
     for reason in (cpu_kernels.norm_rope_status(), cpu_kernels.activation_status(),
-                   attention_kernels.kernel_status()):
+                   attention_kernels.kernel_status(), cpp_extension.unavailable_reason(load)):
         if reason is not None:
             return reason
     kind = GEMM_KERNELS[dtype][0]
     for layer in model.layers:
         if not isinstance(layer.self_attn.attn.backend, CPUAttentionBackend):
             return "the attention backend is not 'cpu'"
+        if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+            return "the layer's two norms have different eps"
         for linear in _projections(layer):
             if kind not in linear.gemm.packings(linear.weight):
                 return f"{linear.weight.dtype} {list(linear.weight.shape)} weights cannot use the {kind} kernel here"
@@ -83,6 +131,11 @@ def unsupported_reason(model) -> str | None:
 
 def _projections(layer) -> tuple[Linear, ...]:
     return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def _address(fn) -> int:
+    """A ctypes function's address in its library, to hand to C as a function pointer."""
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 class DecodeFastPath:
@@ -101,16 +154,18 @@ class DecodeFastPath:
         self.intermediate = model.layers[0].mlp.down_proj.weight.shape[1]
         gemm = cpu_kernels.load_amx().amx_linear if self.kind == "amx" else cpu_kernels.load_avx512().avx512_linear
         norm_rope, attention = cpu_kernels.load_norm_rope(), attention_kernels.load()
-        # The C functions, all with the signatures their wrappers declare.
-        self.kernels = SimpleNamespace(
-            rms_norm=norm_rope.rms_norm, rope=norm_rope.rope, gemm=gemm,
-            write_kv=attention.write_kv, paged_attention_decode=attention.paged_attention_decode,
-            silu_and_mul=cpu_kernels.load_activation().silu_and_mul)
-        # The same, each inside a named range, for when torch.profiler is on (bench --profile).
-        names = {"gemm": f"microvllm::{self.kind}_linear"}
-        self.profiled_kernels = SimpleNamespace(**{
-            name: _profiled(names.get(name, f"microvllm::{name}"), fn)
-            for name, fn in vars(self.kernels).items()})
+        # The C functions the modules' wrappers call, as function pointers.
+        self.kernels = Kernels(
+            rms_norm=_address(norm_rope.rms_norm), rope=_address(norm_rope.rope), gemm=_address(gemm),
+            write_kv=_address(attention.write_kv),
+            paged_attention_decode=_address(attention.paged_attention_decode),
+            silu_and_mul=_address(cpu_kernels.load_activation().silu_and_mul))
+        self.seconds = None   # per KERNEL_KINDS when timing (bench throughput --profile)
+        # Every tensor a Layer record points into; the records are remade when one changes.
+        self.tensors = [t for layer in model.layers for t in
+                        (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                         *(p for linear in _projections(layer) for p in (linear.weight, linear.bias)))]
+        self.records, self.records_key = None, None
 
     def applies(self, num_tokens: int, attn_metadata: list[AttentionMetadata]) -> bool:
         """Whether this step is one the fast path runs: decode-only, small enough, no autograd."""
@@ -121,72 +176,69 @@ class DecodeFastPath:
                  attn_metadata: list[AttentionMetadata]) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, hidden]`` (the embeddings) through every decoder layer; returns
         ``(h, residual)`` as the layer loop in ``LlamaForCausalLM.forward`` leaves them."""
-        k = self.profiled_kernels if torch._C._autograd._profiler_enabled() else self.kernels
-        T, H, I, d = hidden.shape[0], self.hidden, self.intermediate, self.head_dim
-        Hq, Hkv, code = self.num_heads, self.num_kv_heads, DTYPE_CODES[self.dtype]
-        qkv_cols = (Hq + 2 * Hkv) * d
+        T, d, Hq, Hkv = hidden.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        cache = kv_caches[0]
+        if any(c.shape != cache.shape or c.dtype != self.dtype or not c.is_contiguous() for c in kv_caches):
+            raise ValueError(f"every layer's KV cache must be a contiguous {self.dtype} "
+                             f"{list(cache.shape)} tensor")
 
         def buffer(*shape):
             return torch.empty(*shape, dtype=self.dtype)
-        residual, x, h = hidden.clone(), buffer(T, H), buffer(T, H)
-        qkv, qk, attn = buffer(T, qkv_cols), buffer(T, Hq + Hkv, d), buffer(T, Hq * d)
-        gate_up, act = buffer(T, 2 * I), buffer(T, I)
+        residual, x, h = hidden.clone(), buffer(T, self.hidden), buffer(T, self.hidden)
+        qkv, qk, attn = buffer(T, (Hq + 2 * Hkv) * d), buffer(T, Hq + Hkv, d), buffer(T, Hq * d)
+        gate_up, act = buffer(T, 2 * self.intermediate), buffer(T, self.intermediate)
         cos, sin = (t.reshape(T, d // 2).to(self.dtype).contiguous() for t in cos_sin)
-        groups = [self._step_metadata(m, qk, attn, kv_caches) for m in attn_metadata]
-        row = qkv.element_size()   # bytes per element: offsets into qkv / qk rows
-
-        for i, layer in enumerate(self.model.layers):
-            self_attn, mlp = layer.self_attn, layer.mlp
-            block_table, seq_lens, slots, max_blocks = groups[self.model.layout.layer_to_group[i]]
-            kv_cache = kv_caches[i]
-            num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-            norm = layer.input_layernorm
-            if i == 0:   # the residual stream starts as the embeddings: normalise them
-                k.rms_norm(code, residual.data_ptr(), None, norm.weight.data_ptr(), x.data_ptr(), T, H, norm.eps)
-            else:        # residual += h (the previous MLP's output), normalised
-                k.rms_norm(code, h.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), x.data_ptr(),
-                           T, H, norm.eps)
-            self._gemm(k, self_attn.qkv_proj, x, qkv)
-            k.rope(code, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qk.data_ptr(), T, Hq + Hkv, d, qkv_cols)
-            bad = k.write_kv(qk.data_ptr() + Hq * d * row, qkv.data_ptr() + (Hq + Hkv) * d * row,
-                             (Hq + Hkv) * d, qkv_cols, kv_cache.data_ptr(), slots.data_ptr(), T,
-                             num_slots, Hkv * d, row)
-            if bad >= 0:
-                raise attention_kernels.bad_slot_error(slots, bad, num_slots)
-            k.paged_attention_decode(code, qk.data_ptr(), (Hq + Hkv) * d, kv_cache.data_ptr(),
-                                     block_table.data_ptr(), seq_lens.data_ptr(), attn.data_ptr(), T,
-                                     Hq, Hkv, d, kv_cache.shape[2], kv_cache.shape[1], max_blocks,
-                                     self_attn.attn.scale, self_attn.attn.sliding_window or 0)
-            self._gemm(k, self_attn.o_proj, attn, h)
-            norm = layer.post_attention_layernorm
-            k.rms_norm(code, h.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), x.data_ptr(),
-                       T, H, norm.eps)
-            self._gemm(k, mlp.gate_up_proj, x, gate_up)
-            k.silu_and_mul(code, gate_up.data_ptr(), act.data_ptr(), T, I)
-            self._gemm(k, mlp.down_proj, act, h)
+        groups = [self._group(m, qk, attn, cache) for m in attn_metadata]
+        keep = [t for group in groups for t in group[1]]   # alive until the call returns
+        buffers = Buffers(*(t.data_ptr() for t in (residual, x, h, qkv, qk, attn, gate_up, act, cos, sin)))
+        shape = Shape(DTYPE_CODES[self.dtype], hidden.element_size(), self.hidden, self.intermediate,
+                      Hq, Hkv, d, cache.shape[2], cache.shape[1])
+        key = [(t.data_ptr(), tensor_version(t)) for t in self.tensors if t is not None] + [c.data_ptr() for c in kv_caches]
+        if key != self.records_key:
+            self.records, self.records_key = self._layers(kv_caches), key
+        layers = self.records
+        seconds = (ctypes.c_double * len(KERNEL_KINDS))() if self.seconds is not None else None
+        with cpp_extension.profiled("microvllm::decode_fast_path"):
+            bad = load().decode_layers(self.kernels, shape, layers, len(layers),
+                                       (Group * len(groups))(*(g for g, _ in groups)), buffers, T, seconds)
+        if bad >= 0:
+            raise RuntimeError(f"write_kv refused the slot of token {bad} after the slots were checked")
+        if seconds is not None:
+            for kind, value in zip(KERNEL_KINDS, seconds):
+                self.seconds[kind] = self.seconds.get(kind, 0.0) + value
+        del keep
         return h, residual
 
-    def _gemm(self, k, linear: Linear, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out = x @ W.T (+ bias)`` through the kernel ``PackedGemm`` picks at these rows."""
-        packed = linear.gemm.pack(linear.weight, self.kind)   # current: repacked if W changed
-        bias = linear.bias.data_ptr() if linear.bias is not None else None
-        k.gemm(x.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), x.shape[0], out.shape[1], x.shape[1])
+    def _layers(self, kv_caches) -> ctypes.Array:
+        """Every layer's record (~1 ms to make; remade only when a weight or cache changed:
+        a weight changed in place gets its pack remade, as the modules' ``PackedGemm`` would)."""
+        def ptr(tensor):
+            return tensor.data_ptr() if tensor is not None else None
+
+        records = []
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            packed = [ptr(linear.gemm.pack(linear.weight, self.kind)) for linear in _projections(layer)]
+            biases = [ptr(linear.bias) for linear in _projections(layer)]
+            records.append(Layer(
+                ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
+                packed[0], biases[0], packed[1], biases[1], packed[2], biases[2], packed[3], biases[3],
+                ptr(kv_caches[i]), layer.input_layernorm.eps, attn.attn.scale,
+                attn.attn.sliding_window or 0, self.model.layout.layer_to_group[i]))
+        return (Layer * len(records))(*records)
 
     @staticmethod
-    def _step_metadata(metadata: AttentionMetadata, qk, attn, kv_caches):
-        """One cache group's metadata, checked once for all its layers as the decode
-        wrapper checks it every call, in the dtypes and layout the kernels read."""
-        num_heads = attn.shape[1] // qk.shape[2]
+    def _group(metadata: AttentionMetadata, qk, attn, kv_cache):
+        """One cache group's metadata, checked once for all its layers as the modules'
+        wrappers check it at every call; returns the record and the tensors it points into."""
+        T, num_heads = qk.shape[0], attn.shape[1] // qk.shape[2]
         block_table, seq_lens = metadata.block_table.contiguous(), metadata.seq_lens.contiguous()
-        attention_kernels.check_inputs(qk[:, :num_heads], kv_caches[0], block_table, seq_lens,
-                                       attn.view(qk.shape[0], num_heads, qk.shape[2]))
+        attention_kernels.check_inputs(qk[:, :num_heads], kv_cache, block_table, seq_lens,
+                                       attn.view(T, num_heads, qk.shape[2]))
         slots = metadata.slot_mapping.to(torch.int64).contiguous()
-        return block_table, seq_lens, slots, block_table.shape[1]
-
-
-def _profiled(name: str, fn):
-    def call(*args):
-        with cpp_extension.profiled(name):
-            return fn(*args)
-    return call
-
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        refused = ((slots < 0) | (slots >= num_slots)).nonzero()
+        if len(refused):
+            raise attention_kernels.bad_slot_error(slots, int(refused[0]), num_slots)
+        record = Group(block_table.data_ptr(), seq_lens.data_ptr(), slots.data_ptr(), block_table.shape[1])
+        return record, (block_table, seq_lens, slots)

@@ -104,3 +104,17 @@ def test_where_the_time_goes_sorts_ops_by_kind():
     assert "projections 4.0 ms (40%)" in line
     assert "attention 4.0 ms (40%)" in line
     assert "other 2.0 ms (20%)" in line
+
+
+def test_where_the_time_goes_splits_the_decode_fast_path_by_its_own_clock():
+    from types import SimpleNamespace
+
+    from microvllm.bench.throughput import FAST_PATH_RANGE, where_the_time_goes
+
+    events = [SimpleNamespace(key=FAST_PATH_RANGE, self_cpu_time_total=10000.0),   # 10 ms in all
+              SimpleNamespace(key="aten::mul", self_cpu_time_total=2000.0)]
+    inside = {"gemm": 0.005, "attention": 0.002, "write_kv": 0.001, "rms_norm": 0.001}   # 9 ms
+    line = where_the_time_goes(events, num_steps=2, fast_path_seconds=inside)
+    assert "projections 2.5 ms (42%)" in line
+    assert "attention 1.5 ms (25%)" in line
+    assert "other 2.0 ms (33%)" in line   # rms_norm 0.5 + the call's own 0.5 + aten::mul 1.0
