@@ -6,7 +6,8 @@ ctypes turning tensors into pointers. That is 20-60 us per operator, and a step 
 SmolLM2-135M runs ~300 of them: a third of a bfloat16 step at batch 32, half of it
 at batch 1. vLLM meets the same problem on a GPU, as kernel-launch overhead, and
 answers it with CUDA graphs: it records a decode step's kernel launches once per
-batch size and replays them all with one call.
+batch size and replays them all with one call (for decode-only, "uniform decode"
+batches in ``cudagraph_mode`` FULL_DECODE_ONLY; ``vllm/compilation/cuda_graph.py``).
 
 A CPU has no graph to replay, but the same idea removes the cost: settle everything
 that is the same for every layer once per step (buffers for every intermediate, the
