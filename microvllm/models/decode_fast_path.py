@@ -128,7 +128,8 @@ def unsupported_reason(model) -> str | None:
             return "the layer's two norms have different eps"
         for linear in _projections(layer):
             if kind not in linear.gemm.packings(linear.weight):
-                return f"{linear.weight.dtype} {list(linear.weight.shape)} weights cannot use the {kind} kernel here"
+                return (f"{linear.weight.dtype} {list(linear.weight.shape)} weights cannot use "
+                        f"the {kind} kernel here")
     return None
 
 
@@ -155,7 +156,8 @@ class DecodeFastPath:
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden = model.config.hidden_size
         self.intermediate = model.layers[0].mlp.down_proj.weight.shape[1]
-        gemm = cpu_kernels.load_amx().amx_linear if self.kind == "amx" else cpu_kernels.load_avx512().avx512_linear
+        gemm = (cpu_kernels.load_amx().amx_linear if self.kind == "amx"
+                else cpu_kernels.load_avx512().avx512_linear)
         norm_rope, attention = cpu_kernels.load_norm_rope(), attention_kernels.load()
         # The C functions the modules' wrappers call, as function pointers.
         self.kernels = Kernels(
@@ -191,12 +193,13 @@ class DecodeFastPath:
         qkv, qk, attn = buffer(T, (Hq + 2 * Hkv) * d), buffer(T, Hq + Hkv, d), buffer(T, Hq * d)
         gate_up, act = buffer(T, 2 * self.intermediate), buffer(T, self.intermediate)
         cos, sin = (t.reshape(T, d // 2).to(self.dtype).contiguous() for t in cos_sin)
+        # (record, tensors it points into) per cache group: kept here, alive through the call
         groups = [self._group(m, qk, attn, cache) for m in attn_metadata]
-        keep = [t for group in groups for t in group[1]]   # alive until the call returns
         buffers = Buffers(*(t.data_ptr() for t in (residual, x, h, qkv, qk, attn, gate_up, act, cos, sin)))
         shape = Shape(DTYPE_CODES[self.dtype], hidden.element_size(), self.hidden, self.intermediate,
                       Hq, Hkv, d, cache.shape[2], cache.shape[1])
-        key = [(t.data_ptr(), tensor_version(t)) for t in self.tensors if t is not None] + [c.data_ptr() for c in kv_caches]
+        key = ([(t.data_ptr(), tensor_version(t)) for t in self.tensors if t is not None]
+               + [c.data_ptr() for c in kv_caches])
         if key != self.records_key:
             self.records, self.records_key = self._layers(kv_caches), key
         layers = self.records
@@ -209,7 +212,6 @@ class DecodeFastPath:
         if seconds is not None:
             for kind, value in zip(KERNEL_KINDS, seconds):
                 self.seconds[kind] = self.seconds.get(kind, 0.0) + value
-        del keep
         return h, residual
 
     def _layers(self, kv_caches) -> ctypes.Array:
