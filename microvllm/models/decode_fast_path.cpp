@@ -79,7 +79,7 @@ enum { GEMM, ATTENTION, WRITE_KV, RMS_NORM, ROPE, SILU_AND_MUL, KINDS };
 
 // Runs every layer for T decode tokens. With `seconds` (KINDS doubles) non-null, adds
 // each kind's wall time to it (bench throughput --profile). Returns -1, or the first
-// token whose slot write_kv refused (Python checks the slots first: not expected).
+// token whose slot write_kv refused (Python raises write_kv's IndexError for it).
 int decode_layers(const Kernels* k, const Shape* s, const Layer* layers, int num_layers,
                   const Group* groups, const Buffers* b, int T, double* seconds) {
     const int Hq = s->num_heads, Hkv = s->num_kv_heads, d = s->head_dim, H = s->hidden, I = s->intermediate;

@@ -17,7 +17,8 @@ C functions the modules' wrappers call. The loop is ``decode_fast_path.cpp``::
     once per model   Layer records: each layer's weight pointers (packed for the GEMM
                      kernel), norm weights, its KV cache, eps, scale, sliding window
     once per step    buffers [T, ...] for residual, x, h, qkv, qk, attn, gate_up, act
-                     (T = batch); per cache group: block table, seq_lens, slots, checked
+                     (T = batch); per cache group: block table and seq_lens, checked, and
+                     the slot mapping (write_kv checks each slot as it writes)
     one C call       decode_layers(): for each layer, 10 kernel calls
 
       rms_norm(h, residual)           -> x        [T, hidden]      residual += h, in place
@@ -169,7 +170,8 @@ class DecodeFastPath:
         # Every tensor a Layer record points into; the records are remade when one changes.
         self.tensors = [t for layer in model.layers for t in
                         (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                         *(p for linear in _projections(layer) for p in (linear.weight, linear.bias)))]
+                         *(p for linear in _projections(layer) for p in (linear.weight, linear.bias)))
+                        if t is not None]
         self.records, self.records_key = None, None
 
     def applies(self, num_tokens: int, attn_metadata: list[AttentionMetadata]) -> bool:
@@ -183,9 +185,6 @@ class DecodeFastPath:
         ``(h, residual)`` as the layer loop in ``LlamaForCausalLM.forward`` leaves them."""
         T, d, Hq, Hkv = hidden.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         cache = kv_caches[0]
-        if any(c.shape != cache.shape or c.dtype != self.dtype or not c.is_contiguous() for c in kv_caches):
-            raise ValueError(f"every layer's KV cache must be a contiguous {self.dtype} "
-                             f"{list(cache.shape)} tensor")
 
         def buffer(*shape):
             return torch.empty(*shape, dtype=self.dtype)
@@ -198,8 +197,7 @@ class DecodeFastPath:
         buffers = Buffers(*(t.data_ptr() for t in (residual, x, h, qkv, qk, attn, gate_up, act, cos, sin)))
         shape = Shape(DTYPE_CODES[self.dtype], hidden.element_size(), self.hidden, self.intermediate,
                       Hq, Hkv, d, cache.shape[2], cache.shape[1])
-        key = ([(t.data_ptr(), tensor_version(t)) for t in self.tensors if t is not None]
-               + [c.data_ptr() for c in kv_caches])
+        key = [(t.data_ptr(), tensor_version(t)) for t in self.tensors] + [c.data_ptr() for c in kv_caches]
         if key != self.records_key:
             self.records, self.records_key = self._layers(kv_caches), key
         layers = self.records
@@ -207,8 +205,10 @@ class DecodeFastPath:
         with cpp_extension.profiled("microvllm::decode_fast_path"):
             bad = load().decode_layers(self.kernels, shape, layers, len(layers),
                                        (Group * len(groups))(*(g for g, _ in groups)), buffers, T, seconds)
-        if bad >= 0:
-            raise RuntimeError(f"write_kv refused the slot of token {bad} after the slots were checked")
+        if bad >= 0:   # write_kv refused token `bad`'s slot (in some cache group)
+            num_slots = cache.shape[1] * cache.shape[2]
+            slots = next(s for _, (_, _, s) in groups if not 0 <= int(s[bad]) < num_slots)
+            raise attention_kernels.bad_slot_error(slots, bad, num_slots)
         if seconds is not None:
             for kind, value in zip(KERNEL_KINDS, seconds):
                 self.seconds[kind] = self.seconds.get(kind, 0.0) + value
@@ -217,19 +217,24 @@ class DecodeFastPath:
     def _layers(self, kv_caches) -> ctypes.Array:
         """Every layer's record (~1 ms to make; remade only when a weight or cache changed:
         a weight changed in place gets its pack remade, as the modules' ``PackedGemm`` would)."""
+        first = kv_caches[0]
+        if any(c.shape != first.shape or c.dtype != self.dtype or not c.is_contiguous() for c in kv_caches):
+            raise ValueError(f"every layer's KV cache must be a contiguous {self.dtype} "
+                             f"{list(first.shape)} tensor")
+
         def ptr(tensor):
             return tensor.data_ptr() if tensor is not None else None
 
         records = []
         for i, layer in enumerate(self.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            packed = [ptr(linear.gemm.pack(linear.weight, self.kind)) for linear in _projections(layer)]
-            biases = [ptr(linear.bias) for linear in _projections(layer)]
+            weights = []   # (packed weight, bias) of qkv, o, gate_up, down
+            for linear in _projections(layer):
+                weights += [ptr(linear.gemm.pack(linear.weight, self.kind)), ptr(linear.bias)]
+            attn = layer.self_attn.attn
             records.append(Layer(
-                ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
-                packed[0], biases[0], packed[1], biases[1], packed[2], biases[2], packed[3], biases[3],
-                ptr(kv_caches[i]), layer.input_layernorm.eps, attn.attn.scale,
-                attn.attn.sliding_window or 0, self.model.layout.layer_to_group[i]))
+                ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight), *weights,
+                ptr(kv_caches[i]), layer.input_layernorm.eps, attn.scale, attn.sliding_window or 0,
+                self.model.layout.layer_to_group[i]))
         return (Layer * len(records))(*records)
 
     @staticmethod
@@ -240,10 +245,6 @@ class DecodeFastPath:
         block_table, seq_lens = metadata.block_table.contiguous(), metadata.seq_lens.contiguous()
         attention_kernels.check_inputs(qk[:, :num_heads], kv_cache, block_table, seq_lens,
                                        attn.view(T, num_heads, qk.shape[2]))
-        slots = metadata.slot_mapping.to(torch.int64).contiguous()
-        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-        refused = ((slots < 0) | (slots >= num_slots)).nonzero()
-        if len(refused):
-            raise attention_kernels.bad_slot_error(slots, int(refused[0]), num_slots)
+        slots = metadata.slot_mapping.to(torch.int64).contiguous()   # write_kv checks each slot
         record = Group(block_table.data_ptr(), seq_lens.data_ptr(), slots.data_ptr(), block_table.shape[1])
         return record, (block_table, seq_lens, slots)
