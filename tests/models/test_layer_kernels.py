@@ -6,6 +6,7 @@ test's name)."""
 import pytest
 import torch
 
+from microvllm.cpp_extension import cpu_flags as cpu_kernels_flags
 from microvllm.layers import cpu_kernels
 from microvllm.layers.activation import silu_and_mul, silu_and_mul_native
 from microvllm.layers.layernorm import RMSNorm
@@ -139,3 +140,52 @@ def test_bfloat16_engine_tokens_do_not_change_with_the_kernels(family, tmp_path,
     from microvllm.models import decode_fast_path   # which calls the kernels without asking
     monkeypatch.setattr(decode_fast_path, "unsupported_reason", lambda model: "off in this test")
     assert generate() == with_kernels
+
+
+@pytest.mark.skipif("avx512bw" not in cpu_kernels_flags(), reason="this CPU runs the portable loops already")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_portable_loops_agree_with_the_avx512_ones(dtype, tmp_path, request):
+    """CPUs without AVX-512 run each kernel's portable loops: built here with AVX-512 off,
+    they must give what the AVX-512 build gives (rope bit for bit; the norm and silu
+    within a rounding step, where a sum's order or exp's last bit differs)."""
+    import ctypes
+
+    from microvllm import cpp_extension
+    from microvllm.cpp_extension import DTYPE_CODES
+    from microvllm.layers.cpu_kernels import activation, norm_rope
+
+    def portable(source):
+        lib = tmp_path / f"{source.stem}.so"
+        cpp_extension._compile(cpp_extension._compiler(), source, tmp_path / f"{source.stem}.o", lib,
+                               ["-mno-avx512f"])   # no AVX-512: vec512.h's paths drop out
+        return ctypes.CDLL(str(lib))
+
+    g = torch.Generator().manual_seed(seed_for(request.node.name))
+    rows, hidden, heads, head_dim, d = 37, 40, 5, 24, 56   # row lengths that leave masked tails
+    code, ptr = DTYPE_CODES[dtype], ctypes.c_void_p
+    built = {"avx512": (cpu_kernels.load_norm_rope(), cpu_kernels.load_activation()),
+             "portable": (portable(norm_rope.SOURCE), portable(activation.SOURCE))}
+    x, weight = randn(g, rows, hidden, dtype=dtype, scale=3.0), randn(g, hidden, dtype=dtype)
+    residual = randn(g, rows, hidden, dtype=dtype)
+    qkv = randn(g, rows, heads + 2, head_dim, dtype=dtype)
+    cos, sin = randn(g, rows, head_dim // 2, dtype=dtype), randn(g, rows, head_dim // 2, dtype=dtype)
+    gate_up = randn(g, rows, 2 * d, dtype=dtype, scale=4.0)
+    results = {}
+    for name, (nr, act) in built.items():
+        res, normed = residual.clone(), torch.empty_like(x)
+        nr.rms_norm(code, ptr(x.data_ptr()), ptr(res.data_ptr()), ptr(weight.data_ptr()),
+                    ptr(normed.data_ptr()), rows, hidden, ctypes.c_float(1e-5))
+        rotated = torch.empty(rows, heads, head_dim, dtype=dtype)
+        nr.rope(code, ptr(qkv.data_ptr()), ptr(cos.data_ptr()), ptr(sin.data_ptr()),
+                ptr(rotated.data_ptr()), rows, heads, head_dim, ctypes.c_int64((heads + 2) * head_dim))
+        act_out = torch.empty(rows, d, dtype=dtype)
+        act.silu_and_mul(code, ptr(gate_up.data_ptr()), ptr(act_out.data_ptr()), rows, d)
+        results[name] = res, normed, rotated, act_out
+    (res_a, normed_a, rot_a, act_a), (res_p, normed_p, rot_p, act_p) = results["avx512"], results["portable"]
+    assert torch.equal(res_a, res_p) and torch.equal(res_a, residual + x)
+    assert_rounding_close(normed_a, normed_p)
+    assert_rounding_close(act_a, act_p)
+    if dtype == torch.bfloat16:
+        assert torch.equal(rot_a, rot_p)
+    else:
+        torch.testing.assert_close(rot_a, rot_p, rtol=1e-5, atol=1e-6)
