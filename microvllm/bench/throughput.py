@@ -15,9 +15,12 @@ and compared with what this machine could do at best, measured in the same run:
                 bytes read (weights + attended KV) / large-copy bandwidth)
 
 The floor needs each step's batch, so one run records the trace (``trace=True``,
-which also warms up) and a second, untraced run of the same workload (same
-deterministic schedule) is the one timed. Then the time of one decode-only step at
-batch 1 and at batch 32 (``llm.engine.step()`` timed by hand).
+which also warms up) and untraced runs of the same workload (same deterministic
+schedule) are the ones timed. HF's static batch and microvllm are timed in turn,
+``--repeat`` times (3; ``--quick``: 1), each microvllm run on a fresh engine, and
+the pair whose ratio is the median is reported: a shared machine's speed drifts
+over minutes, so only runs made side by side compare fairly. Then the time of one
+decode-only step at batch 1 and at batch 32 (``llm.engine.step()`` timed by hand).
 
 Workload ``prefix``: requests that share a long system prompt, with prefix caching
 off and on: prefill tokens computed (prompt tokens minus ``num_cached_tokens``) and
@@ -101,6 +104,21 @@ class RunResult:
 
 
 # ------------------------------------------------------------ Hugging Face
+@dataclass
+class TimedPair:
+    """One turn of ``--repeat``: HF's static batch (None with --skip-hf), then microvllm."""
+    static: RunResult | None
+    result: RunResult
+    step_times: list[float]
+    num_steps: int
+
+    def __lt__(self, other: TimedPair) -> bool:   # order by ratio to HF, else by time
+        return self._key() < other._key()
+
+    def _key(self) -> float:
+        return self.static.wall_s / self.result.wall_s if self.static else self.result.wall_s
+
+
 def load_hf(model_path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
@@ -301,6 +319,7 @@ def bench_random(args, model_path: Path, cost: ModelCost, dtype: torch.dtype,
     traced_llm = make_llm(model_path, args, trace=True)
     print(f"{'':24}{'useful tok/s':>13}{'total tok/s':>14}{'wall s':>10}")
     hf_results: dict[str, RunResult | str] = {}
+    model, pad_id = None, 0
     if args.skip_hf:
         for name in ("HF one at a time", "HF static batch"):
             hf_results[name] = _print_row(name, "skipped (--skip-hf)")
@@ -312,22 +331,43 @@ def bench_random(args, model_path: Path, cost: ModelCost, dtype: torch.dtype,
             hf_results[name] = _print_row(name, "skipped (--quick)" if args.quick else "skipped")
         else:
             hf_results[name] = _print_row(name, hf_one_at_a_time(model, pad_id, workload))
-        name = "HF static batch"
-        hf_results[name] = _print_row(name, hf_static_batch(model, pad_id, workload))
-        del model
-        gc.collect()
+    sys.stdout.flush()
 
-    # The traced run warms up and records the schedule; the untraced run is timed.
+    # The traced run warms up and records the schedule; the untraced runs are timed.
     traced, _ = microvllm_generate(traced_llm, workload)
     trace = traced_llm.trace
     del traced_llm
     gc.collect()
-    llm = make_llm(model_path, args)
-    step_times: list[float] = []
-    result, _ = microvllm_generate(llm, workload, step_times=step_times)
-    num_steps = llm.engine.num_steps
+    # HF's static batch and microvllm, timed in turn (--repeat pairs): this machine's speed
+    # drifts over minutes, so a ratio is only fair between runs made side by side.
+    pairs = []
+    llm = None
+    for i in range(args.repeat):
+        static = hf_static_batch(model, pad_id, workload) if model is not None else None
+        del llm
+        gc.collect()
+        llm = make_llm(model_path, args)   # a fresh engine: nothing cached from the last run
+        step_times: list[float] = []
+        result, _ = microvllm_generate(llm, workload, step_times=step_times)
+        pairs.append(TimedPair(static, result, step_times, llm.engine.num_steps))
+        if args.repeat > 1:
+            versus = (f"HF static batch {static.wall_s:.2f} s, " if static else "")
+            ratio = (f" ({static.wall_s / result.wall_s:.1f}x)" if static else "")
+            print(f"  pair {i + 1}/{args.repeat}: {versus}microvllm {result.wall_s:.2f} s{ratio}")
+            sys.stdout.flush()
+    if model is not None:
+        del model
+        gc.collect()
+    # The pair of median ratio (or, without HF, of median microvllm time) is the one reported.
+    chosen = statistics.median_low(pairs)
+    if chosen.static is not None:
+        hf_results["HF static batch"] = _print_row("HF static batch", chosen.static)
+    result, step_times, num_steps = chosen.result, chosen.step_times, chosen.num_steps
     config = llm.engine.config
     _print_row("microvllm", result)
+    if len(pairs) > 1:
+        print(f"  the rows above: the pair of median {'ratio' if chosen.static else 'microvllm time'} "
+              f"of {len(pairs)} (HF static batch and microvllm timed in turn)")
 
     ratios = [f"microvllm / {name.replace('one at a time', 'one-at-a-time')}: "
               f"{result.useful_rate / r.useful_rate:.1f}x"
@@ -546,10 +586,10 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-QUICK = dict(num_requests=4, prompt_lens=(16, 48), output_lens=(8, 16), prefix_len=64,
+QUICK = dict(repeat=1, num_requests=4, prompt_lens=(16, 48), output_lens=(8, 16), prefix_len=64,
              question_lens=(8, 16), prefix_output_len=4, decode_batches=[1, 4],
              decode_prompt_len=16, decode_output_len=8, matmul_size=1024, copy_mib=64)
-FULL = dict(num_requests=32, prompt_lens=(32, 256), output_lens=(32, 128), prefix_len=512,
+FULL = dict(repeat=3, num_requests=32, prompt_lens=(32, 256), output_lens=(32, 128), prefix_len=512,
             question_lens=(16, 64), prefix_output_len=16, decode_batches=[1, 32],
             decode_prompt_len=32, decode_output_len=64, matmul_size=2048, copy_mib=256)
 
@@ -584,6 +624,9 @@ def parse_args(argv):
                         help="torch CPU threads (default: torch's own, one per core); on a machine "
                              "shared with other busy processes, fewer threads than cores avoids "
                              "threads waiting on each other at every op")
+    parser.add_argument("--repeat", type=int,
+                        help="time HF's static batch and microvllm this many times, in turn, and "
+                             "report the pair of median ratio (3; quick: 1)")
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps at the largest decode batch (torch ops, Python)")
     args = parser.parse_args(argv)
@@ -594,6 +637,8 @@ def parse_args(argv):
         args.skip_hf_one_at_a_time = True
     if args.num_requests < 1:
         parser.error("--num-requests must be at least 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     return args
 
 

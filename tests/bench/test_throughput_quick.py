@@ -118,3 +118,41 @@ def test_where_the_time_goes_splits_the_decode_fast_path_by_its_own_clock():
     assert "projections 2.5 ms (42%)" in line
     assert "attention 1.5 ms (25%)" in line
     assert "other 2.0 ms (33%)" in line   # rms_norm 0.5 + the call's own 0.5 + aten::mul 1.0
+
+
+def test_repeat_reports_the_pair_of_median_ratio(tiny_llama, capsys, monkeypatch):
+    """HF's static batch and microvllm run in turn; the table shows the pair whose ratio is
+    the median. The runs are real; their wall times are replaced by set ones, so that
+    which pair is the median is known: ratios 4x, 3x, 2x -> the second pair."""
+    import dataclasses
+
+    hf_walls, micro_walls = iter([4.0, 6.0, 2.0]), iter([1.0, 2.0, 1.0])
+    real_static, real_generate = throughput.hf_static_batch, throughput.microvllm_generate
+
+    def static(*args):
+        return dataclasses.replace(real_static(*args), wall_s=next(hf_walls))
+
+    def generate(llm, workload, name="microvllm", step_times=None):
+        result, outs = real_generate(llm, workload, name, step_times)
+        return (dataclasses.replace(result, wall_s=next(micro_walls)) if step_times is not None
+                else result), outs   # the traced run (no step_times) keeps its time
+    monkeypatch.setattr(throughput, "hf_static_batch", static)
+    monkeypatch.setattr(throughput, "microvllm_generate", generate)
+    argv = ["--quick", "--threads", "1", "--model", str(tiny_llama), "--workload", "random",
+            "--repeat", "3"]
+    assert throughput.main(argv) == 0
+    out = capsys.readouterr().out
+    for line in ["  pair 1/3: HF static batch 4.00 s, microvllm 1.00 s (4.0x)",
+                 "  pair 2/3: HF static batch 6.00 s, microvllm 2.00 s (3.0x)",
+                 "  pair 3/3: HF static batch 2.00 s, microvllm 1.00 s (2.0x)",
+                 "  the rows above: the pair of median ratio of 3 (HF static batch and microvllm "
+                 "timed in turn)",
+                 "microvllm / HF static batch: 3.0x"]:
+        assert line in out.splitlines(), f"no line {line!r} in:\n{out}"
+    assert re.search(r"^HF static batch\s+[\d.]+\s+[\d.]+\s+6\.00$", out, re.MULTILINE)
+    assert re.search(r"^microvllm\s+[\d.]+\s+[\d.]+\s+2\.00$", out, re.MULTILINE)
+
+
+def test_repeat_must_be_positive():
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--quick", "--repeat", "0"])
