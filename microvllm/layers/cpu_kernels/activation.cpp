@@ -23,7 +23,7 @@ namespace {
 
 #ifdef __AVX512BW__
 // 16 lanes at a time, written out (as in norm_rope.cpp), with vec512.h's inline exp:
-// 1.15-1.25x faster than the portable loop below in bfloat16, float32 alike.
+// 1.15-1.25x faster than the portable loop below in bfloat16 (float32: as fast).
 template <typename Dtype, typename T = typename Dtype::storage>
 void silu_and_mul(const T* gate_up, T* out, int rows, int d) {
     #pragma omp parallel for if (int64_t(rows) * d >= (1 << 13))
