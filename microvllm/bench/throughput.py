@@ -112,11 +112,10 @@ class TimedPair:
     step_times: list[float]
     num_steps: int
 
-    def __lt__(self, other: TimedPair) -> bool:   # order by ratio to HF, else by time
-        return self._key() < other._key()
-
-    def _key(self) -> float:
-        return self.static.wall_s / self.result.wall_s if self.static else self.result.wall_s
+    @property
+    def ratio(self) -> float | None:
+        """How many times faster than HF's static batch (None without it)."""
+        return self.static.wall_s / self.result.wall_s if self.static else None
 
 
 def load_hf(model_path: Path, dtype: torch.dtype):
@@ -351,15 +350,17 @@ def bench_random(args, model_path: Path, cost: ModelCost, dtype: torch.dtype,
         result, _ = microvllm_generate(llm, workload, step_times=step_times)
         pairs.append(TimedPair(static, result, step_times, llm.engine.num_steps))
         if args.repeat > 1:
+            pair = pairs[-1]
             versus = (f"HF static batch {static.wall_s:.2f} s, " if static else "")
-            ratio = (f" ({static.wall_s / result.wall_s:.1f}x)" if static else "")
+            ratio = (f" ({pair.ratio:.1f}x)" if static else "")
             print(f"  pair {i + 1}/{args.repeat}: {versus}microvllm {result.wall_s:.2f} s{ratio}")
             sys.stdout.flush()
     if model is not None:
         del model
         gc.collect()
     # The pair of median ratio (or, without HF, of median microvllm time) is the one reported.
-    chosen = statistics.median_low(pairs)
+    ordered = sorted(pairs, key=lambda p: p.ratio if p.static else p.result.wall_s)
+    chosen = ordered[(len(ordered) - 1) // 2]   # the lower median: one of the pairs
     if chosen.static is not None:
         hf_results["HF static batch"] = _print_row("HF static batch", chosen.static)
     result, step_times, num_steps = chosen.result, chosen.step_times, chosen.num_steps
