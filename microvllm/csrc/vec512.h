@@ -18,10 +18,14 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+// 16 bfloat16s (their bits) -> 16 float32 lanes: a bfloat16 is a float32's top half.
+inline __m512 widen_bfloat16(__m256i bits) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {   // bfloat16: its bits are a float's top half
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+inline __m512 load16(const uint16_t* p) {
+    return widen_bfloat16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const _Float16* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -31,10 +35,7 @@ inline __m512 load16(const _Float16* p) {
 inline __mmask16 tail(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 mask) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16(const uint16_t* p, __mmask16 mask) { return widen_bfloat16(_mm256_maskz_loadu_epi16(mask, p)); }
 
 // float32 -> bfloat16 bits, to nearest even as torch rounds: the CPU's own instruction
 // where it has one, else the rounding written out (NaN aside: the build assumes
@@ -57,9 +58,7 @@ inline void store16(uint16_t* p, __m512 v, __mmask16 mask) {
 
 template <typename T> inline __m512 round16(__m512 v);
 template <> inline __m512 round16<float>(__m512 v) { return v; }
-template <> inline __m512 round16<uint16_t>(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bfloat16_bits(v)), 16));
-}
+template <> inline __m512 round16<uint16_t>(__m512 v) { return widen_bfloat16(bfloat16_bits(v)); }
 
 #endif  // __AVX512BW__
 
