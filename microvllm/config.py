@@ -9,9 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from microvllm.models.loader import DTYPES
+import torch
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache when num_kv_blocks is not given
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """``"bfloat16"`` (or ``torch.bfloat16``) -> ``torch.bfloat16``; anything else not in
+    ``DTYPES`` is refused."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
 
 
 @dataclass
@@ -25,7 +36,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
-    """A registered backend name, or ``"auto"``: ``"cpu"`` where its kernel builds, else ``"torch"``."""
+    """A backend name (``attention.selector``), or ``"auto"``: the platform's default
+    (on a CPU, ``"cpu"`` where its kernel builds, else ``"torch"``)."""
+    enforce_eager: bool = False
+    """Run the model exactly as the notebooks write it: every layer's ``forward_native``,
+    no compiled kernel, no packed weights, no decode fast path (vLLM's name: there it
+    turns CUDA graphs off). Same greedy tokens, slower."""
     dtype: str = "float32"
     seed: int = 0
     trace: bool = False
@@ -62,11 +78,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend={self.attention_backend!r} must be a backend name such as 'torch'")
-        from microvllm.attention import available_backends  # registers the built-in ones (no triton import)
-        from microvllm.attention.backend import AUTO
-        if self.attention_backend != AUTO and self.attention_backend not in available_backends():
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not known; "
-                             f"choose 'auto' or one of {available_backends()}")
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"seed={self.seed!r} must be an int")
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
@@ -80,8 +93,11 @@ class EngineConfig:
                 f"(a prompt is scheduled whole), but {self.max_num_batched_tokens} < {self.max_model_len}: "
                 "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
 
-    def finalize(self, max_position_embeddings: int) -> None:
-        """Fill the defaults that depend on the model, then check the combination."""
+    def finalize(self, max_position_embeddings: int, attention_backend: str) -> None:
+        """Fill the defaults that depend on the model and the platform (the backend that
+        ``"auto"`` became), then check the combination. The engine calls it once, before
+        anything is built from the config."""
+        self.attention_backend = attention_backend
         if self.max_model_len is None:
             self.max_model_len = max_position_embeddings
         elif self.max_model_len > max_position_embeddings:

@@ -29,14 +29,14 @@ class LLM:
                  max_num_seqs: int = 64, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  attention_backend: str = "auto", dtype: str = "float32", seed: int = 0,
-                 trace: bool = False, **engine_options):
+                 trace: bool = False, enforce_eager: bool = False, **engine_options):
         _check_engine_options(engine_options)
         config = EngineConfig(
             model=model, block_size=block_size, num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, attention_backend=attention_backend,
-            dtype=dtype, seed=seed, trace=trace, **engine_options)
+            dtype=dtype, seed=seed, trace=trace, enforce_eager=enforce_eager, **engine_options)
         self.engine = Engine(config)
         self._ids = itertools.count()
 
@@ -60,17 +60,15 @@ class LLM:
                             f"or a list of those; got {type(prompts).__name__}: {str(prompts)[:60]!r}")
         prompts = list(prompts)
         params = self._params_per_prompt(prompts, sampling_params)
-        # Tokenize and validate every prompt before adding any, so a bad one leaves
+        # Check and tokenize every prompt before adding any, so a bad one leaves
         # nothing behind.
-        processed = [self.engine.prompts.process(p) for p in prompts]
-        for index, (_, token_ids) in enumerate(processed):
-            self.engine.check_fits(f"prompts[{index}]", token_ids)
+        processed = [self.engine.process_request(str(next(self._ids)), prompt, p, name=f"prompts[{index}]")
+                     for index, (prompt, p) in enumerate(zip(prompts, params))]
         request_ids = []
         try:
-            for (text, token_ids), p in zip(processed, params):
-                request_ids.append(str(next(self._ids)))
-                self.engine.add_request(request_ids[-1],
-                                        {"prompt": text, "prompt_token_ids": token_ids}, p)
+            for request in processed:
+                self.engine.add_processed_request(request)
+                request_ids.append(request.request_id)
             finished = self._run(request_ids, use_tqdm)
         except BaseException:
             # KeyboardInterrupt or an error mid-run: abort what is in flight so that

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from microvllm.attention.backend import AttentionBackend, register_backend
+from microvllm.attention.backend import AttentionBackend
 from microvllm.attention.metadata import AttentionMetadata
 
 
@@ -71,9 +71,10 @@ def paged_attention_torch(query, kv_cache, metadata: AttentionMetadata, *, scale
     return out
 
 
-@register_backend("reference")
 class TorchReferenceBackend(AttentionBackend):
     """Readable per-request attention; the correctness oracle (``attention_backend="reference"``)."""
+
+    name = "reference"
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
         write_kv_torch(key, value, kv_cache, slot_mapping)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from microvllm.attention.backend import AttentionBackend, register_backend
+from microvllm.attention.backend import AttentionBackend
 from microvllm.attention.metadata import AttentionMetadata
 from microvllm.attention.torch_ref import attention_mask, gather_context, write_kv_torch
 
@@ -119,9 +119,10 @@ def paged_attention_sdpa(query, kv_cache, metadata: AttentionMetadata, *, scale:
     return out
 
 
-@register_backend("torch")
 class TorchSDPABackend(AttentionBackend):
     """Decodes batched into one SDPA call, prefill chunks one call each."""
+
+    name = "torch"
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
         write_kv_torch(key, value, kv_cache, slot_mapping)

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from microvllm.attention.backend import AttentionBackend, register_backend
+from microvllm.attention.backend import AttentionBackend
 from microvllm.attention.metadata import AttentionMetadata
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels; compiled on a CUDA GPU, interpreted on a CPU."""
+
+    name = "triton"
 
     def __init__(self, use_decode_kernel: bool = False):
         from microvllm.attention.triton_kernels import (check_kernel_can_run,

@@ -179,7 +179,8 @@ def make_llm(model_path: Path, args, **options):
 
     if args.attention_backend is not None:
         options["attention_backend"] = args.attention_backend
-    return LLM(str(model_path), dtype=args.dtype, seed=args.seed, **options)
+    return LLM(str(model_path), dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
+               **options)
 
 
 def microvllm_generate(llm, workload: Workload, name: str = "microvllm",
@@ -376,6 +377,7 @@ def bench_random(args, model_path: Path, cost: ModelCost, dtype: torch.dtype,
     if ratios:
         print("   ".join(ratios))
     print(f"  microvllm: {num_steps} steps, attention backend {config.attention_backend!r}, "
+          f"{'enforce_eager (plain torch), ' if config.enforce_eager else ''}"
           f"max_num_batched_tokens {config.max_num_batched_tokens}, max_num_seqs {config.max_num_seqs}, "
           f"prefix caching {'on' if config.enable_prefix_caching else 'off'}")
     if result.useful_tokens != workload.num_output_tokens:
@@ -484,7 +486,7 @@ def bench_prefix(args, model_path: Path, cost: ModelCost) -> None:
 # torch operators by the part of a decode step they belong to; the rest is "other":
 # norms, RoPE, residual adds, views, sampling.
 PROJECTION_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
-                  "microvllm::amx_linear", "microvllm::avx512_linear"}  # C++ kernels: cpp_extension.profiled ranges
+                  "microvllm::amx_linear", "microvllm::avx512_linear"}  # C++ kernels: kernels.profiled ranges
 ATTENTION_OPS = {"aten::index_select", "aten::index_copy_", "aten::scaled_dot_product_attention",
                  "microvllm::paged_attention_decode", "microvllm::paged_attention_prefill",
                  "microvllm::write_kv"}
@@ -545,7 +547,7 @@ def profile_decode(llm, cost: ModelCost, batch: int, args) -> None:
             waiting -= {o.request_id for o in llm.engine.step() if o.outputs[0].token_ids}
         llm.engine.step()                    # one decode step, unprofiled
         if profiler_kind == "torch":
-            fast = llm.engine.executor.worker.model_runner.model.decode_fast_path
+            fast = llm.engine.executor.worker.model_runner.decode_step_runner
             if fast is not None:
                 fast.seconds = {}   # its kernels' times, from inside its one C call
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -621,6 +623,8 @@ def parse_args(argv):
                         help="n of the n^3 matmul that sets the FLOP rate (2048)")
     parser.add_argument("--copy-mib", type=int, help="MiB of the copy that sets the bandwidth (256)")
     parser.add_argument("--attention-backend", default=None, help="default: the engine's default")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run the plain torch code the notebooks show (no C++ kernels, no fast path)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's own, one per core); on a machine "
                              "shared with other busy processes, fewer threads than cores avoids "

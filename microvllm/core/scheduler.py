@@ -81,15 +81,11 @@ class Scheduler:
     # ----------------------------------------------------------- requests in
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; refuse one that could never run. O(1)."""
+        """Queue a new request. O(1). Whether it can ever run was checked before it got
+        here (``Engine.process_request``); one that still cannot make progress is caught
+        by ``schedule()`` (``_raise_stalled``)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} tokens but "
-                f"max_model_len is {self.max_model_len}: shorten the prompt or raise max_model_len"
-            )
-        self.kv_cache_manager.check_can_fit_ever(request)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.requests[request.request_id] = request

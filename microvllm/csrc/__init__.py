@@ -1,2 +1,3 @@
-"""C++ headers shared by microvllm's CPU kernels (``dtypes.h``: element types; ``vec512.h``:
-AVX-512 helpers); ``cpp_extension`` puts this folder on their include path. No Python here."""
+"""All of microvllm's C++: the CPU platform's kernels (``*.cpp``), the headers they share
+(``dtypes.h`` element types, ``vec512.h`` AVX-512 helpers) and ``ops.h``, where every C
+entry point is declared once. ``platforms/cpu/kernels.py`` builds and loads them. No Python here."""

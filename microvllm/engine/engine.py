@@ -1,6 +1,11 @@
 """Engine: the step loop that ties scheduler, executor and output processing together.
 
-    add_request(id, prompt, params) ──> Request (WAITING) ──> Scheduler
+    __init__: platform ──> config.finalize ──> Executor (loads the model)
+              ──> _initialize_kv_caches (how many blocks) ──> KV cache manager, Scheduler
+
+    add_request(id, prompt, params)
+        process_request: every check and the tokenizer (the one validation)
+        add_processed_request ──> Request (WAITING) ──> Scheduler
     step():
         plan    = scheduler.schedule()                 who computes how many tokens
         sampled = executor.execute_model(plan)         one forward pass, then sampling
@@ -16,10 +21,12 @@ a block (the scheduler's KV cache manager does).
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from microvllm.config import EngineConfig, component
+from microvllm.config import EngineConfig, component, resolve_dtype
 from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_manager import KVCacheManager, PoolTooSmallError
 from microvllm.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
@@ -31,17 +38,37 @@ from microvllm.engine.output_processor import OutputProcessor
 from microvllm.engine.prompts import PromptProcessor
 from microvllm.engine.step_tracer import StepTracer
 from microvllm.executor import Executor
+from microvllm.models.loader import load_config
+from microvllm.platforms import get_platform
 from microvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A request that passed every check: adding it can no longer fail."""
+
+    request_id: str
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
 
 
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_path = _resolve_model_path(config.model)
+        self.platform = get_platform("cpu", enforce_eager=config.enforce_eager)
+        self.model_config = load_config(self.model_path)
+        # Every default that depends on the model or the platform is settled here, once,
+        # before anything is built from the config.
+        config.finalize(self.model_config.max_position_embeddings,
+                        self.platform.resolve_attention_backend(config.attention_backend))
         self.prompts = PromptProcessor.from_model_folder(self.model_path)
-        self.executor = Executor(config, self.model_path, self.prompts.eos_token_ids)
-        self.model_config = self.executor.model_config
         self.prompts.vocab_size = self.model_config.vocab_size
+        self.executor = Executor(config, self.model_path, self.prompts.eos_token_ids, self.platform)
+        config.num_kv_blocks = self._initialize_kv_caches()
         layout = self.executor.kv_cache_layout
         specs = [SlidingWindowSpec(config.block_size, g.sliding_window) if g.sliding_window
                  else FullAttentionSpec(config.block_size) for g in layout.groups]
@@ -60,11 +87,35 @@ class Engine:
         self.tracer = StepTracer(self.scheduler) if config.trace else None
         self.num_steps = 0
 
+    def _initialize_kv_caches(self) -> int:
+        """How many KV blocks: ``num_kv_blocks`` if given, else as many as
+        ``kv_cache_memory_bytes`` holds, but no more than could ever be used. The executor
+        then allocates them (vLLM: ``EngineCore._initialize_kv_caches``)."""
+        config = self.config
+        per_block = self.executor.kv_cache_bytes_per_block()
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            # No more than max_num_seqs requests of max_model_len tokens could ever use
+            # (+1: the null block); a tiny model would otherwise get ~100k blocks.
+            most_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
+            num_blocks = max(2, min(config.kv_cache_memory_bytes // per_block, most_useful))
+            logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", num_blocks,
+                        config.block_size, (num_blocks - 1) * config.block_size,
+                        num_blocks * per_block / 2**20, resolve_dtype(config.dtype))
+        self.executor.initialize_kv_cache(num_blocks)
+        return num_blocks
+
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Validate and queue one prompt. ``prompt``: a string, ``{"prompt_token_ids": [...]}``
         or ``{"prompt": "..."}``. With ``params.n > 1`` it becomes n child requests that
         share the prompt's blocks through the prefix cache."""
+        self.add_processed_request(self.process_request(request_id, prompt, params))
+
+    def process_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                        *, name: str | None = None) -> ProcessedRequest:
+        """Every check a request must pass, and its tokens; changes nothing. ``name``: what
+        errors call it (``LLM.generate`` checks all its prompts first, as "prompts[2]")."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -77,8 +128,12 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} is already in use (unfinished: {taken}): "
                              "give each request a unique id (or wait until it finishes)")
         text, token_ids = self.prompts.process(prompt)
-        self.check_fits(request_id, token_ids)
-        # Everything is checked: from here on nothing can fail half-way.
+        self._check_fits(name or request_id, token_ids)
+        return ProcessedRequest(request_id, text, token_ids, params)
+
+    def add_processed_request(self, request: ProcessedRequest) -> None:
+        """Queue a request ``process_request`` accepted: nothing here can fail half-way."""
+        request_id, text, token_ids, params = request.request_id, request.text, request.token_ids, request.params
         child_ids = self.output_processor.add(request_id, text, token_ids, params)
         if self.tracer is not None:
             for child_id in child_ids:
@@ -90,9 +145,9 @@ class Engine:
                 eos_token_id=self.prompts.eos_token_id, block_size=self.config.block_size,
                 arrival_time=now))
 
-    def check_fits(self, request_id: str, token_ids: list[int]) -> None:
-        """Raise if this prompt could never run (``LLM.generate`` checks every prompt
-        first, naming them "prompts[2]" as they have no request id yet)."""
+    def _check_fits(self, request_id: str, token_ids: list[int]) -> None:
+        """Raise if this prompt could never run: too long for ``max_model_len`` (with room for
+        one new token), or for the whole pool (in chunks of at most one step's budget)."""
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(f"request {request_id!r}: the prompt has {len(token_ids)} tokens but "

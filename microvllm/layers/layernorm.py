@@ -7,9 +7,9 @@ result (and therefore every greedy token) matches it.
 
 As in vLLM, the norm can also take the residual stream and add the previous branch's
 output into it first (the "fused residual add"): one pass instead of an add and a
-norm. On a CPU both run in one C++ pass (``layers/cpu_kernels/norm_rope.cpp``), which
-rounds where the torch code below rounds; ``forward_native`` is that torch code, used
-wherever the kernel cannot run.
+norm. A ``CustomOp``: a platform may run the same math in one kernel (the CPU
+platform's rounds where this code rounds, and updates ``residual`` in place, as
+vLLM's ``fused_add_rms_norm`` does).
 """
 
 from __future__ import annotations
@@ -17,32 +17,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from microvllm.layers import cpu_kernels
+from microvllm.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``RMSNorm(x)``; or, given the residual stream, add ``x`` into it and normalise
         the sum, returning both::
 
             out, residual = norm(x, residual)   # residual = residual + x; out = RMSNorm(residual)
-
-        The kernel updates ``residual`` in place (as vLLM's ``fused_add_rms_norm`` does)."""
-        if cpu_kernels.norm_rope_applies(x, self.weight):
-            out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
-            return out if residual is None else (out, residual)
-        if residual is None:
-            return self.forward_native(x)
-        residual = residual + x
-        return self.forward_native(residual), residual
-
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """
+        if residual is not None:
+            x = residual = residual + x
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        out = self.weight * x.to(dtype)
+        return out if residual is None else (out, residual)

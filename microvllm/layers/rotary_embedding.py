@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from microvllm.layers import cpu_kernels
+from microvllm.layers.custom_op import CustomOp
 
 
 def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -59,22 +59,25 @@ class RotaryEmbedding(nn.Module):
         the same angles, so the model looks them up once per step and passes them down."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
+
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """Rotate ``query [T, num_heads, d]`` and ``key [T, num_kv_heads, d]``."""
+        """Rotate ``query [T, num_heads, d]`` and ``key [T, num_kv_heads, d]`` at these
+        positions (for one-off use: the model looks ``cos_sin`` up once per step)."""
         cos, sin = self.cos_sin(positions)
         return rotate(query, cos, sin), rotate(key, cos, sin)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate every head of ``x [T, heads, d]`` by the angles of its token (``cos, sin``
-    from ``cos_sin``). Heads are independent, so queries and keys can go in one call.
-    On a CPU this is one C++ pass (``layers/cpu_kernels/norm_rope.cpp``) that rounds
-    where ``rotate_native`` does; ``rotate_native`` runs wherever it cannot."""
-    if cpu_kernels.norm_rope_applies(x, cos, sin):
-        return cpu_kernels.rope(x, cos, sin)
-    return rotate_native(x, cos, sin)
-
-
-def rotate_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate every head of ``x [T, heads, d]`` by the angles of its token (``cos, sin
+    [T, 1, d/2]``): channel pair ``(i, i + d/2)`` turns by ``position * inv_freq[i]``."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class ApplyRotaryEmb(CustomOp):
+    """``rotate`` as a layer. Heads are independent, so one call can rotate a token's
+    query and key heads together. A ``CustomOp``: a platform may do it in one pass (the
+    CPU platform's kernel rounds where ``rotate`` rounds)."""
+
+    def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rotate(x, cos, sin)

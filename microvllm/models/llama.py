@@ -25,12 +25,11 @@ from torch import nn
 
 from microvllm.attention.backend import AttentionBackend
 from microvllm.attention.metadata import AttentionMetadata
-from microvllm.layers.activation import silu_and_mul
+from microvllm.layers.activation import SiluAndMul
 from microvllm.layers.attention import Attention
 from microvllm.layers.layernorm import RMSNorm
-from microvllm.layers.linear import Linear, PackedGemm
-from microvllm.layers.rotary_embedding import RotaryEmbedding, rotate
-from microvllm.models import decode_fast_path
+from microvllm.layers.linear import Linear
+from microvllm.layers.rotary_embedding import ApplyRotaryEmb, RotaryEmbedding
 from microvllm.models.kv_cache_layout import KVCacheLayout
 
 
@@ -48,6 +47,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = ApplyRotaryEmb()
         group = layout.layer_to_group[layer_idx]
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim ** -0.5, backend=backend,
@@ -59,9 +59,9 @@ class LlamaAttention(nn.Module):
         heads = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:  # Qwen3: normalise each head before RoPE
-            q, k = rotate(self.q_norm(q), *cos_sin), rotate(self.k_norm(k), *cos_sin)
+            q, k = self.rotary_emb(self.q_norm(q), *cos_sin), self.rotary_emb(self.k_norm(k), *cos_sin)
         else:  # q and k heads sit side by side: rotate them in one go
-            q, k = rotate(heads[:, :self.num_heads + self.num_kv_heads], *cos_sin).split(
+            q, k = self.rotary_emb(heads[:, :self.num_heads + self.num_kv_heads], *cos_sin).split(
                 [self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
 
@@ -72,11 +72,12 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,13 +116,9 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, i, self.layout, backend, self.qk_norm)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            # Only its weight is used: compute_logits multiplies by it (or by the tied
-            # embedding) through one pre-packed gemm.
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.logits_gemm = PackedGemm()
-        self.decode_fast_path = None   # set by prepack_weights where it applies (CPU decode steps)
+        self.tie_weights()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
@@ -130,33 +127,22 @@ class LlamaForCausalLM(nn.Module):
         only for the rows that need them)."""
         hidden, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin(positions)  # once per step, not once per layer
-        fast = self.decode_fast_path
-        if fast is not None and fast.applies(len(input_ids), attn_metadata):
-            # The same layers as the loop below, as one loop of C kernel calls (a CPU
-            # decode step's answer to CUDA graphs: see models/decode_fast_path.py).
-            hidden, residual = fast(hidden, cos_sin, kv_caches, attn_metadata)
-        else:
-            for i, layer in enumerate(self.layers):
-                metadata = attn_metadata[self.layout.layer_to_group[i]]
-                hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], metadata)
+        for i, layer in enumerate(self.layers):
+            metadata = attn_metadata[self.layout.layer_to_group[i]]
+            hidden, residual = layer(cos_sin, hidden, residual, kv_caches[i], metadata)
         hidden, _ = self.norm(hidden, residual)   # the last MLP's output added, then normalised
         return hidden
 
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings``, the output projection is the embedding matrix: one
+        Parameter, two uses, filled once by the loader (which calls this again after
+        materialising the model: ``to_empty`` makes each use its own tensor)."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits_gemm(hidden, self.logits_weight)
-
-    @property
-    def logits_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-
-    def prepack_weights(self) -> None:
-        """Pack every projection's weight for the CPU matmul once, after loading."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.gemm.prepack(module.weight)
-        self.logits_gemm.prepack(self.logits_weight)
-        if decode_fast_path.unsupported_reason(self) is None:
-            self.decode_fast_path = decode_fast_path.DecodeFastPath(self)
+        """``hidden [rows, hidden_size]`` -> ``logits [rows, vocab_size]``."""
+        return self.lm_head(hidden)
 
     # Hugging Face checkpoint names -> our fused parameters: (ours, theirs, shard index).
     stacked_params = [

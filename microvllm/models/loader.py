@@ -21,17 +21,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from microvllm.config import resolve_dtype
 from microvllm.models.registry import resolve_model_class
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def load_config(model_path: str | Path):
@@ -53,7 +44,8 @@ def load_config(model_path: str | Path):
 
 def load_model(model_path: str | Path, backend, dtype="float32", max_position: int | None = None,
                device: str | torch.device = "cpu"):
-    """Build the model class named by config.json and fill it from the folder's safetensors."""
+    """Build the model class named by config.json and fill it from the folder's safetensors.
+    The platform then prepares it (``Platform.process_weights_after_loading``)."""
     config = load_config(model_path)
     model_cls = resolve_model_class(config, where=str(Path(model_path) / "config.json"))
     torch_dtype = resolve_dtype(dtype)
@@ -61,10 +53,10 @@ def load_model(model_path: str | Path, backend, dtype="float32", max_position: i
         model = model_cls(config, backend, max_position=max_position)
     # Built on the meta device (no time spent on random init), then materialised.
     model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty gave the tied output projection its own tensor
     model.rotary.build_table(device)  # buffers are not in the checkpoint
     load_weights(model, Path(model_path))
     model = model.to(torch_dtype).eval()
-    model.prepack_weights()  # the CPU matmul's packed copies, made now rather than at step 1
     return model, config
 
 

@@ -19,12 +19,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from microvllm.sample.cpu_kernels import greedy_argmax
+from microvllm.layers.custom_op import CustomOp
 from microvllm.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.penalties import apply_min_tokens_penalty
 from microvllm.sample.topk_topp_sampler import apply_min_p, apply_top_k, apply_top_p, random_sample
 from microvllm.sampling_params import SAMPLING_EPS
+
+
+class Argmax(CustomOp):
+    """Greedy sampling: each row's first largest logit (the first NaN, if a row has one),
+    as ``torch.argmax``. A ``CustomOp``: a platform may do it faster (the CPU's kernel
+    returns the same ids)."""
+
+    def forward_native(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,7 @@ class Sampler(nn.Module):
     def __init__(self, seed: int | None = 0, device: str | torch.device = "cpu"):
         super().__init__()
         self.generator = make_generator(seed, device)
+        self.argmax = Argmax()
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != sampling_metadata.num_reqs:
@@ -70,9 +80,8 @@ class Sampler(nn.Module):
         ### BEGIN SOLUTION
         greedy_sampled = None
         if not sampling_metadata.all_random:
-            # Exactly torch.argmax, as Hugging Face greedy search does: same ids (on a
-            # CPU a C++ pass, sample/cpu_kernels/argmax.cpp; torch.argmax elsewhere).
-            greedy_sampled = greedy_argmax(logits)
+            # Exactly torch.argmax, as Hugging Face greedy search does: same ids.
+            greedy_sampled = self.argmax(logits)
             if sampling_metadata.all_greedy:
                 return greedy_sampled
 

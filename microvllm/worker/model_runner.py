@@ -54,8 +54,11 @@ class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], *, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
                  seed: int, sampler_class: type[Sampler] = Sampler,
-                 block_table_class: type[BlockTable] = BlockTable):
+                 block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None):
         self.model = model
+        # The platform's runner for decode-only steps (the CPU's decode fast path; CUDA
+        # graphs on a GPU), or None (enforce_eager=True, or none applies here).
+        self.decode_step_runner = decode_step_runner
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -151,6 +154,17 @@ class ModelRunner:
         ### END SOLUTION
 
     # ------------------------------------------------------------------ step
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  metadata: list[AttentionMetadata]) -> torch.Tensor:
+        """One forward pass -> hidden states ``[T, hidden]``. A decode-only step may go to
+        the platform's decode-step runner instead: the same layers with fewer calls
+        around them, the same result (vLLM's model runner applies CUDA graphs here, in
+        the same way). With ``enforce_eager=True`` there is none: the model runs as written."""
+        runner = self.decode_step_runner
+        if runner is not None and runner.applies(len(input_ids), metadata):
+            return runner(input_ids, positions, self.kv_caches, metadata)
+        return self.model(input_ids, positions, self.kv_caches, metadata)
+
     @torch.inference_mode()
     def execute_model(self, plan) -> ModelRunnerOutput:
         self._update_states(plan)
@@ -158,7 +172,7 @@ class ModelRunner:
             return ModelRunnerOutput([], {})
         req_ids, states, input_ids, positions, metadata, sampling, logits_indices = \
             self._prepare_inputs(plan)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        hidden = self.run_model(input_ids, positions, metadata)
         for state, req_id in zip(states, req_ids):
             state.num_computed_tokens += plan.num_scheduled_tokens[req_id]
         if not sampling:

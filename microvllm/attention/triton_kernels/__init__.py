@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from microvllm import envs
+
 _HOW_TO_ENABLE = (
     "Set the environment variable TRITON_INTERPRET=1 before triton is first imported: "
     "in a notebook, make `import os; os.environ['TRITON_INTERPRET'] = '1'` the first "
@@ -66,7 +68,7 @@ def _triton_imported() -> bool:
 
 
 def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return envs.triton_interpret()
 
 
 def ensure_triton_can_run() -> None:

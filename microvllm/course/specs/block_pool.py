@@ -2,7 +2,7 @@
 
 from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_utils import FreeKVCacheBlockQueue
-from microvllm.course.build import Exercise, Part
+from microvllm.course.exercise import Exercise, Part
 
 EXERCISE = Exercise(
     number="03", slug="block_pool", title="The block pool and its free queue",

@@ -1,7 +1,7 @@
 """Exercise 06: the Triton paged-attention decode kernel."""
 
 from microvllm.attention.triton_kernels.decode import decode_attention, decode_attention_kernel
-from microvllm.course.build import Exercise, Part
+from microvllm.course.exercise import Exercise, Part
 
 EXERCISE = Exercise(
     number="06", slug="decode_kernel", title="A Triton paged-attention decode kernel",

@@ -1,6 +1,6 @@
 """Exercise 01: the incremental detokenizer."""
 
-from microvllm.course.build import Exercise, Part
+from microvllm.course.exercise import Exercise, Part
 from microvllm.detokenizer import IncrementalDetokenizer, find_stop_string
 
 EXERCISE = Exercise(

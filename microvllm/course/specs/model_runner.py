@@ -1,6 +1,6 @@
 """Exercise 07b: slot mapping and the model runner's input preparation."""
 
-from microvllm.course.build import Exercise, Part
+from microvllm.course.exercise import Exercise, Part
 from microvllm.worker.block_table import BlockTable
 from microvllm.worker.model_runner import ModelRunner
 

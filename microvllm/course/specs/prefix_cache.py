@@ -2,7 +2,7 @@
 
 from microvllm.core.kv_cache_manager import KVCacheManager
 from microvllm.core.kv_cache_utils import hash_block_tokens
-from microvllm.course.build import Exercise, Part
+from microvllm.course.exercise import Exercise, Part
 
 EXERCISE = Exercise(
     number="04", slug="prefix_cache", title="Prefix hashing and cache hits",

@@ -1,6 +1,6 @@
 """Exercise 07a: the sampler."""
 
-from microvllm.course.build import Exercise, Part
+from microvllm.course.exercise import Exercise, Part
 from microvllm.sample.sampler import Sampler
 from microvllm.sample.topk_topp_sampler import apply_top_k, apply_top_p, random_sample
 
@@ -14,7 +14,6 @@ drawn — seeded requests from their own generator, so their tokens do not depen
 import torch
 from torch import nn
 
-from microvllm.sample.cpu_kernels import greedy_argmax
 from microvllm.sample.logprobs import compute_logprobs, gather_logprobs
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.penalties import apply_min_tokens_penalty
@@ -49,7 +48,7 @@ value per row) and never modifies its input:
   `argmax(probs / E)`, `E ~ Exponential(1)`: row `r` in `generators` fills its noise from
   `generators[r]`, every other row from `shared_generator` (one call for the whole batch).
 - `Sampler.sample(logits, metadata)`: rows with `temperature < SAMPLING_EPS` are greedy
-  (`logits.argmax(-1)`, exactly, as Hugging Face); the others are divided by their temperature,
+  (`self.argmax(logits)`: `logits.argmax(-1)` exactly, as Hugging Face); the others are divided by their temperature,
   filtered by top-k, top-p, then min-p (each only if its tensor in `metadata` is not None),
   softmaxed and drawn with `random_sample(probs, metadata.generators, self.generator)`; use
   `metadata.all_greedy` / `all_random` to skip work.

@@ -1,7 +1,7 @@
 """Exercise 05: the scheduler's step."""
 
 from microvllm.core.scheduler import Scheduler
-from microvllm.course.build import Exercise, Part
+from microvllm.course.exercise import Exercise, Part
 
 EXERCISE = Exercise(
     number="05", slug="scheduler", title="The scheduler's step",

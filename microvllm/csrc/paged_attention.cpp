@@ -34,6 +34,7 @@
 // Built and loaded by cpu_kernels/__init__.py; compared with the torch reference in
 // tests/attention/test_cpu_kernel.py.
 
+#include "ops.h"   // this file's C entry points, declared once
 #include <algorithm>
 #include <cfloat>
 #include <cmath>

@@ -12,6 +12,7 @@
 // Built and loaded by layers/cpu_kernels/activation.py; compared with the torch code
 // it replaces in tests/models/test_layer_kernels.py.
 
+#include "ops.h"   // this file's C entry points, declared once
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

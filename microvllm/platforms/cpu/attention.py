@@ -1,72 +1,42 @@
-"""Call the C++ paged-attention kernels for CPUs: decodes (``paged_attention.cpp``, with
-``write_kv``, which stores a step's new keys and values in the paged cache) and prefill
-chunks (``prefill_attention.cpp``, on AVX-512 CPUs).
+"""Call the C++ paged-attention kernels for CPUs: decodes (``csrc/paged_attention.cpp``,
+with ``write_kv``, which stores a step's new keys and values in the paged cache) and
+prefill chunks (``csrc/prefill_attention.cpp``, on AVX-512 CPUs).
 
-The kernel is compiled on first use and cached on disk by ``microvllm.cpp_extension``
-(``-march=native``, OpenMP from the runtime torch already loaded), then loaded with
-ctypes. Tensors cross as raw pointers; ``check_inputs`` checks their dtypes, shapes
-and contiguity first, because C++ cannot.
+``kernels.load`` builds and loads them (``-march=native``, OpenMP from the runtime torch
+already loaded). Tensors cross as raw pointers; ``check_inputs`` checks their dtypes,
+shapes and contiguity first, because C++ cannot.
 
-``kernel_status()`` says whether the kernel can be used here and, if not, why; the
-``"auto"`` backend falls back to the torch one in that case.
+``kernel_status()`` says whether the decode kernel can be used here and, if not, why; the
+CPU platform's ``"auto"`` backend is the torch one in that case.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
-from microvllm import cpp_extension
-from microvllm.cpp_extension import DTYPE_CODES
-
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
-PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cpp")
+from microvllm.platforms.cpu import kernels
+from microvllm.platforms.cpu.kernels import DTYPE_CODES
 
 
-def build() -> Path:
-    """Compile ``paged_attention.cpp`` unless this exact build is cached; return the .so path."""
-    return cpp_extension.build(SOURCE)
+def load():
+    """The decode kernel and ``write_kv`` (``paged_attention.cpp``), loaded once."""
+    return kernels.load("paged_attention")
 
 
-@functools.lru_cache(maxsize=None)
-def load() -> ctypes.CDLL:
-    """Build (if needed) and load the kernel library, once per process."""
-    return cpp_extension.load_library(SOURCE, {
-        "paged_attention_decode": (None, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
-                                   + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 7
-                                   + [ctypes.c_float, ctypes.c_int]),
-        "write_kv": (ctypes.c_int, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
-                     + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]),
-    })
-
-
-@functools.lru_cache(maxsize=None)
-def load_prefill() -> ctypes.CDLL:
-    """Build (if needed) and load the prefill kernel library, once per process."""
-    return cpp_extension.load_library(PREFILL_SOURCE, {
-        "prefill_supported": (ctypes.c_int, [ctypes.c_int]),
-        "paged_attention_prefill": (None, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
-                                    + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7
-                                    + [ctypes.c_float, ctypes.c_int]),
-    })
+def kernel_status() -> str | None:
+    """None if the decode kernel is usable on this machine, else the reason it is not."""
+    return kernels.status("paged_attention")
 
 
 @functools.lru_cache(maxsize=None)
 def prefill_supported(head_dim: int) -> bool:
     """Whether the prefill kernel runs here for this head size (an AVX-512 build, head
     size 64 or 128); where not, prefill chunks go through SDPA."""
-    if cpp_extension.unavailable_reason(load_prefill) is not None:
+    if kernels.status("prefill_attention") is not None:
         return False
-    return bool(load_prefill().prefill_supported(head_dim))
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_status() -> str | None:
-    """None if the kernel is usable on this machine, else the reason it is not."""
-    return cpp_extension.unavailable_reason(load)
+    return bool(kernels.load("prefill_attention").prefill_supported(head_dim))
 
 
 def check_inputs(query, kv_cache, block_table, seq_lens, out, num_reqs: int | None = None) -> None:
@@ -120,7 +90,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_reqs, num_heads, _ = query.shape
     if num_reqs:
-        with cpp_extension.profiled("microvllm::paged_attention_decode"):
+        with kernels.profiled("microvllm::paged_attention_decode"):
             load().paged_attention_decode(
                 DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), kv_cache.data_ptr(),
                 block_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads,
@@ -148,7 +118,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     slots = slot_mapping.to(torch.int64).contiguous()
     if not key.shape[0]:
         return
-    with cpp_extension.profiled("microvllm::write_kv"):
+    with kernels.profiled("microvllm::write_kv"):
         bad = load().write_kv(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
                               kv_cache.data_ptr(), slots.data_ptr(), key.shape[0],
                               num_blocks * block_size, num_kv_heads * head_dim,
@@ -190,8 +160,8 @@ def paged_attention_prefill(query: torch.Tensor, kv_cache: torch.Tensor,
         if int(query_start_loc[-1]) > num_tokens:
             raise ValueError(f"query_start_loc runs past the {num_tokens} query rows")
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-        with cpp_extension.profiled("microvllm::paged_attention_prefill"):
-            load_prefill().paged_attention_prefill(
+        with kernels.profiled("microvllm::paged_attention_prefill"):
+            kernels.load("prefill_attention").paged_attention_prefill(
                 DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), kv_cache.data_ptr(),
                 block_table.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
                 out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,

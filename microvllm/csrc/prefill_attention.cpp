@@ -39,6 +39,7 @@
 // to SDPA otherwise. Built and loaded by cpu_kernels/__init__.py; compared with the
 // torch reference in tests/attention/test_cpu_kernel.py.
 
+#include "ops.h"   // this file's C entry points, declared once
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>

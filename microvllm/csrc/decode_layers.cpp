@@ -1,4 +1,4 @@
-// The decoder-layer loop of a decode step, in C++ (models/decode_fast_path.py says why).
+// The decoder-layer loop of a decode step, in C++ (platforms/cpu/decode_fast_path.py says why).
 //
 // Nothing here computes: every line calls one of the kernels the modules' wrappers call
 // (their C entry points, passed in as function pointers from the libraries Python
@@ -15,37 +15,22 @@
 //
 // so the results are those of the modules, bit for bit. What it saves is Python: about
 // 15 us per kernel call (argument conversion, pointer lookups) x 300 calls per step.
-// The structs mirror the ctypes Structures in decode_fast_path.py field for field.
+// The structs mirror the ctypes Structures in platforms/cpu/decode_fast_path.py field for field.
 
 #include <chrono>
 #include <cstdint>
 
+#include "ops.h"   // the kernels' C signatures, and this file's entry point
+
 extern "C" {
 
-// The kernels' C signatures, as layers/cpu_kernels/*.cpp and attention/cpu_kernels/*.cpp
-// define them.
-using RmsNorm = void (*)(int dtype, const void* x, void* residual, const void* weight, void* out,
-                         int rows, int hidden, float eps);
-using Rope = void (*)(int dtype, const void* x, const void* cos, const void* sin, void* out,
-                      int tokens, int heads, int head_dim, int64_t row_stride);
-using Gemm = void (*)(const void* x, const void* packed, const void* bias, void* y, int M, int N, int K);
-using WriteKV = int (*)(const void* key, const void* value, int64_t key_stride, int64_t value_stride,
-                        void* kv_cache, const int64_t* slots, int num_tokens, int64_t num_slots,
-                        int row_elements, int element_bytes);
-using DecodeAttention = void (*)(int dtype, const void* query, int64_t query_stride, const void* kv_cache,
-                                 const int32_t* block_table, const int32_t* seq_lens, void* out,
-                                 int num_reqs, int num_heads, int num_kv_heads, int head_dim,
-                                 int block_size, int num_blocks, int max_blocks_per_req, float scale,
-                                 int sliding_window);
-using SiluAndMul = void (*)(int dtype, const void* gate_up, void* out, int rows, int d);
-
-struct Kernels {
-    RmsNorm rms_norm;
-    Rope rope;
-    Gemm gemm;
-    WriteKV write_kv;
-    DecodeAttention paged_attention_decode;
-    SiluAndMul silu_and_mul;
+struct Kernels {   // pointers to the very functions the wrappers call (their types: ops.h)
+    decltype(&::rms_norm) rms_norm;
+    decltype(&::rope) rope;
+    decltype(&::amx_linear) gemm;   // amx_linear or avx512_linear: one signature
+    decltype(&::write_kv) write_kv;
+    decltype(&::paged_attention_decode) paged_attention_decode;
+    decltype(&::silu_and_mul) silu_and_mul;
 };
 
 struct Shape {   // the model's, and its caches'

@@ -39,6 +39,7 @@
 // Linux's permission for this process to use the tile registers (amx_init). Built and
 // loaded by layers/cpu_kernels/amx.py.
 
+#include "ops.h"   // this file's C entry points, declared once
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>

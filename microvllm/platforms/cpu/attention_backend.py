@@ -1,12 +1,12 @@
-"""The CPU attention backend: ``attention_backend="cpu"`` (what ``"auto"`` picks on a CPU).
+"""The CPU attention backend: ``attention_backend="cpu"`` (the CPU platform's default).
 
 Same split as the torch backend (``torch_sdpa.py``), with the work moved into compiled
 kernels that read the paged cache where it lies:
 
-    write_kv   cpu_kernels/paged_attention.cpp's write_kv: the step's keys and values
+    write_kv   csrc/paged_attention.cpp's write_kv: the step's keys and values
                into their slots, one call (torch_ref.write_kv_torch is two index_copy_)
-    decodes    cpu_kernels/paged_attention.cpp: every decode of the step in one call
-    prefills   cpu_kernels/prefill_attention.cpp: every prefill chunk of the step in one
+    decodes    csrc/paged_attention.cpp: every decode of the step in one call
+    prefills   csrc/prefill_attention.cpp: every prefill chunk of the step in one
                call, FlashAttention-style tiles (AVX-512 CPUs, head size 64 or 128);
                otherwise one SDPA call per chunk over its gathered context
                (torch_sdpa.prefill_chunks)
@@ -30,18 +30,19 @@ from __future__ import annotations
 
 import torch
 
-from microvllm.attention import cpu_kernels
-from microvllm.attention.backend import AttentionBackend, register_backend
+from microvllm.attention.backend import AttentionBackend
 from microvllm.attention.metadata import AttentionMetadata
 from microvllm.attention.torch_sdpa import decode_requests, prefill_chunks
+from microvllm.platforms.cpu import attention as cpu_kernels
 
 # bfloat16 / float16 prefill chunks longer than this go to SDPA (see above).
 LOW_PRECISION_PREFILL_MAX = 384
 
 
-@register_backend("cpu")
 class CPUAttentionBackend(AttentionBackend):
     """Decodes and prefill chunks in compiled C++ kernels (built on first use, cached)."""
+
+    name = "cpu"
 
     def __init__(self):
         reason = cpu_kernels.kernel_status()  # builds the kernel now, not mid-step

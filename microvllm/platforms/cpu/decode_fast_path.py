@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one C++ call: the CPU's answer to CUDA graphs.
+"""A decode step in one C++ call for its layers: the CPU's answer to CUDA graphs.
 
 In a decode step every operator is small (a few rows), so what it costs is mostly
 the work around it: the module call, the wrapper's checks, a tensor allocation,
@@ -12,7 +12,7 @@ batches in ``cudagraph_mode`` FULL_DECODE_ONLY; ``vllm/compilation/cuda_graph.py
 A CPU has no graph to replay, but the same idea removes the cost: settle everything
 that is the same for every layer once per step (buffers for every intermediate, the
 attention metadata, which kernels), then run the layers as a loop that calls the very
-C functions the modules' wrappers call. The loop is ``decode_fast_path.cpp``::
+C functions the modules' CPU versions call. The loop is ``csrc/decode_layers.cpp``::
 
     once per model   Layer records: each layer's weight pointers (packed for the GEMM
                      kernel), norm weights, its KV cache, eps, scale, sliding window
@@ -33,37 +33,33 @@ C functions the modules' wrappers call. The loop is ``decode_fast_path.cpp``::
       gemm(act, W_down)               -> h
 
 Same kernels in the same order on the same inputs: the result is bit for bit what
-``LlamaDecoderLayer`` computes (tests/models/test_decode_fast_path.py checks), and
-``llama.py`` stays the definition of the model. Measured on a 2-core Sapphire Rapids
-Xeon, SmolLM2-135M, 128-token prompts, fast path on and off in turn on one engine:
-bfloat16 30 -> 15 ms per decode step at batch 1 and 61 -> 40 ms at batch 32; float32
-145 -> 106 ms at batch 32. (The same loop written in Python, calling the same C
-functions through ctypes, still spent ~15 us per call converting arguments: about
-4 ms of a batch-32 step. Hence C++.)
+``LlamaForCausalLM.forward`` computes with the CPU platform's ops
+(tests/platforms/test_decode_fast_path.py checks), and ``llama.py`` stays the definition
+of the model. Like vLLM's ``CUDAGraphWrapper``, it is applied by the model runner
+(``ModelRunner.run_model``), never inside the model; ``enforce_eager=True`` turns it
+off. (Python calling the same C functions through ctypes spends ~15 us per call on
+arguments; hence a C loop. Notebook 11 measures the step with it on and off.)
 
 It applies to decode-only steps (every request computes one token) of up to
 ``AMX_MAX_ROWS`` (bfloat16) or ``AVX512_MAX_ROWS`` (float32) requests, on a CPU whose
 projections have those kernels, with the ``cpu`` attention backend, for Llama and
-Mistral layers (not Qwen3's per-head norms). Every other step runs the modules.
+Mistral layers (not Qwen3's per-head norms). Every other step runs the model.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 
 import torch
 
-from microvllm import cpp_extension
-from microvllm.attention import cpu_kernels as attention_kernels
-from microvllm.attention.cpu_backend import CPUAttentionBackend
 from microvllm.attention.metadata import AttentionMetadata
-from microvllm.cpp_extension import DTYPE_CODES
-from microvllm.layers import cpu_kernels
-from microvllm.layers.linear import AMX_MAX_ROWS, AVX512_MAX_ROWS, Linear, tensor_version
+from microvllm.layers.linear import Linear
+from microvllm.platforms.cpu import attention as attention_kernels
+from microvllm.platforms.cpu import kernels
+from microvllm.platforms.cpu.attention_backend import CPUAttentionBackend
+from microvllm.platforms.cpu.gemm import AMX_MAX_ROWS, AVX512_MAX_ROWS, PackedGemm, PackedLinear, tensor_version
+from microvllm.platforms.cpu.kernels import DTYPE_CODES
 
-SOURCE = Path(__file__).with_suffix(".cpp")
 # dtype -> (the PackedGemm pack whose kernel runs the projections, most rows it takes)
 GEMM_KERNELS = {torch.bfloat16: ("amx", AMX_MAX_ROWS), torch.float32: ("avx512", AVX512_MAX_ROWS)}
 # What decode_layers() times with ``seconds`` (its enum, in order).
@@ -100,14 +96,6 @@ class Buffers(ctypes.Structure):
                 ("residual", "x", "h", "qkv", "qk", "attn", "gate_up", "act", "cos", "sin")]
 
 
-@functools.lru_cache(maxsize=None)
-def load() -> ctypes.CDLL:
-    """Build (if needed) and load the layer loop."""
-    return cpp_extension.load_library(SOURCE, {"decode_layers": (ctypes.c_int, [
-        ctypes.POINTER(Kernels), ctypes.POINTER(Shape), ctypes.POINTER(Layer), ctypes.c_int,
-        ctypes.POINTER(Group), ctypes.POINTER(Buffers), ctypes.c_int, ctypes.POINTER(ctypes.c_double)])})
-
-
 def unsupported_reason(model) -> str | None:
     """None if ``model``'s decode steps can take the fast path here, else why not."""
     dtype = model.embed_tokens.weight.dtype
@@ -117,8 +105,8 @@ def unsupported_reason(model) -> str | None:
         return "the model is not on a CPU"
     if model.qk_norm:
         return "per-head query / key norms (Qwen3) are not in the fast path's layer"
-    for reason in (cpu_kernels.norm_rope_status(), cpu_kernels.activation_status(),
-                   attention_kernels.kernel_status(), cpp_extension.unavailable_reason(load)):
+    for library in ("norm_rope", "activation", "paged_attention", "decode_layers"):
+        reason = kernels.status(library)
         if reason is not None:
             return reason
     kind = GEMM_KERNELS[dtype][0]
@@ -128,10 +116,20 @@ def unsupported_reason(model) -> str | None:
         if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
             return "the layer's two norms have different eps"
         for linear in _projections(layer):
-            if kind not in linear.gemm.packings(linear.weight):
+            gemm = packed_gemm(linear)
+            if gemm is None:
+                return "the projections do not run the CPU platform's packed GEMM"
+            if kind not in gemm.packings(linear.weight):
                 return (f"{linear.weight.dtype} {list(linear.weight.shape)} weights cannot use "
                         f"the {kind} kernel here")
     return None
+
+
+def packed_gemm(linear: Linear) -> PackedGemm | None:
+    """The packed GEMM the platform bound to this ``Linear`` (its packs are the fast path's
+    weights: one copy, shared), or None if it runs ``forward_native``."""
+    version = linear._forward_method
+    return version.gemm if isinstance(version, PackedLinear) else None
 
 
 def _projections(layer) -> tuple[Linear, ...]:
@@ -144,7 +142,7 @@ def _address(fn) -> int:
 
 
 class DecodeFastPath:
-    """Runs a Llama model's decoder layers for a decode-only step (see the module doc)."""
+    """Runs a Llama model's forward pass for a decode-only step (see the module doc)."""
 
     def __init__(self, model):
         reason = unsupported_reason(model)
@@ -157,15 +155,15 @@ class DecodeFastPath:
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden = model.config.hidden_size
         self.intermediate = model.layers[0].mlp.down_proj.weight.shape[1]
-        gemm = (cpu_kernels.load_amx().amx_linear if self.kind == "amx"
-                else cpu_kernels.load_avx512().avx512_linear)
-        norm_rope, attention = cpu_kernels.load_norm_rope(), attention_kernels.load()
-        # The C functions the modules' wrappers call, as function pointers.
+        gemm = (kernels.load("amx_linear").amx_linear if self.kind == "amx"
+                else kernels.load("avx512_linear").avx512_linear)
+        norm_rope, attention = kernels.load("norm_rope"), kernels.load("paged_attention")
+        # The C functions the modules' CPU versions call, as function pointers.
         self.kernels = Kernels(
             rms_norm=_address(norm_rope.rms_norm), rope=_address(norm_rope.rope), gemm=_address(gemm),
             write_kv=_address(attention.write_kv),
             paged_attention_decode=_address(attention.paged_attention_decode),
-            silu_and_mul=_address(cpu_kernels.load_activation().silu_and_mul))
+            silu_and_mul=_address(kernels.load("activation").silu_and_mul))
         self.seconds = None   # per KERNEL_KINDS when timing (bench throughput --profile)
         # Every tensor a Layer record points into; the records are remade when one changes.
         self.tensors = [t for layer in model.layers for t in
@@ -179,8 +177,20 @@ class DecodeFastPath:
         return (0 < num_tokens <= self.max_rows and not torch.is_grad_enabled()
                 and all(m.num_decodes == m.num_reqs == num_tokens for m in attn_metadata))
 
-    def __call__(self, hidden: torch.Tensor, cos_sin, kv_caches: list[torch.Tensor],
-                 attn_metadata: list[AttentionMetadata]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
+        """``LlamaForCausalLM.forward`` for a decode-only step (same arguments, same
+        result): the embeddings and the final norm by the model's own modules, every
+        decoder layer in one C call."""
+        model = self.model
+        hidden = model.embed_tokens(input_ids)
+        cos_sin = model.rotary.cos_sin(positions)
+        h, residual = self._layers_in_c(hidden, cos_sin, kv_caches, attn_metadata)
+        hidden, _ = model.norm(h, residual)
+        return hidden
+
+    def _layers_in_c(self, hidden: torch.Tensor, cos_sin, kv_caches: list[torch.Tensor],
+                     attn_metadata: list[AttentionMetadata]) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, hidden]`` (the embeddings) through every decoder layer; returns
         ``(h, residual)`` as the layer loop in ``LlamaForCausalLM.forward`` leaves them."""
         T, d, Hq, Hkv = hidden.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
@@ -202,9 +212,10 @@ class DecodeFastPath:
             self.records, self.records_key = self._layers(kv_caches), key
         layers = self.records
         seconds = (ctypes.c_double * len(KERNEL_KINDS))() if self.seconds is not None else None
-        with cpp_extension.profiled("microvllm::decode_fast_path"):
-            bad = load().decode_layers(self.kernels, shape, layers, len(layers),
-                                       (Group * len(groups))(*(g for g, _ in groups)), buffers, T, seconds)
+        with kernels.profiled("microvllm::decode_fast_path"):
+            bad = kernels.load("decode_layers").decode_layers(
+                ctypes.byref(self.kernels), ctypes.byref(shape), layers, len(layers),
+                (Group * len(groups))(*(g for g, _ in groups)), ctypes.byref(buffers), T, seconds)
         if bad >= 0:   # write_kv refused token `bad`'s slot (in some cache group)
             num_slots = cache.shape[1] * cache.shape[2]
             slots = next(s for _, (_, _, s) in groups if not 0 <= int(s[bad]) < num_slots)
@@ -229,7 +240,7 @@ class DecodeFastPath:
         for i, layer in enumerate(self.model.layers):
             weights = []   # (packed weight, bias) of qkv, o, gate_up, down
             for linear in _projections(layer):
-                weights += [ptr(linear.gemm.pack(linear.weight, self.kind)), ptr(linear.bias)]
+                weights += [ptr(packed_gemm(linear).pack(linear.weight, self.kind)), ptr(linear.bias)]
             attn = layer.self_attn.attn
             records.append(Layer(
                 ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight), *weights,

@@ -12,9 +12,10 @@
 // Compiled with -ffast-math, which lets the compiler assume there are no NaNs: the NaN
 // tests are therefore intrinsics and bit tests, never `x != x` or std::isnan.
 // vLLM's CPU build has the same kernel (greedy_argmax, csrc/cpu/sampling_kernels.cpp).
-// Built and loaded by sample/cpu_kernels/__init__.py; compared with torch.argmax in
-// tests/sample/test_argmax_kernel.py.
+// Loaded by platforms/cpu/kernels.py, called by platforms/cpu/ops.py; compared with
+// torch.argmax in tests/platforms/test_cpu_ops.py.
 
+#include "ops.h"   // this file's C entry points, declared once
 #include <cstdint>
 #include <cstring>
 
@@ -70,7 +71,9 @@ int64_t argmax_row(const float* row, int64_t n) {
 
 extern "C" {
 
-void argmax_rows(const float* logits, int64_t* out, int rows, int64_t vocab) {
+void argmax_rows(const void* logits_, void* out_, int rows, int64_t vocab) {
+    const auto* logits = static_cast<const float*>(logits_);
+    auto* out = static_cast<int64_t*>(out_);
     #pragma omp parallel for if (rows > 1 && rows * vocab >= (1 << 16))
     for (int r = 0; r < rows; ++r) out[r] = argmax_row(logits + r * vocab, vocab);
 }

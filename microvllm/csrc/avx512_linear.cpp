@@ -39,6 +39,7 @@
 //
 // Requires: AVX-512F and N % 16 == 0. Built and loaded by layers/cpu_kernels/avx512.py.
 
+#include "ops.h"   // this file's C entry points, declared once
 #include <immintrin.h>
 
 #include <cstdint>
@@ -109,8 +110,11 @@ MicroKernel pick(int rows, int vectors) {
 extern "C" {
 
 // x [M, K], packed as above, bias [N] or null, y [M, N].
-void avx512_linear(const float* x, const float* packed, const float* bias, float* y,
+void avx512_linear(const void* x_, const void* packed_, const void* bias_, void* y_,
                    int M, int N, int K) {
+    const float *x = static_cast<const float*>(x_), *packed = static_cast<const float*>(packed_);
+    const float* bias = static_cast<const float*>(bias_);
+    float* y = static_cast<float*>(y_);
     const int panels = (N + PANEL - 1) / PANEL;
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; ++p) {

@@ -1,15 +1,22 @@
-"""Compile a C++ kernel on first use and cache the library on disk (its wrapper loads it with ctypes).
+"""Build, cache and load the CPU platform's C++ kernels: the one module that does.
 
-microvllm's CPU kernels (``attention/cpu_kernels``, ``layers/cpu_kernels``) are plain
-C++ with OpenMP and no torch headers, so each compiles in about a second with the
-system compiler. A build is cached, keyed by everything that changes the binary
-(source, shared headers, flags, compiler, this CPU's features)::
+Every kernel is plain C++ with OpenMP and no torch headers (all in ``microvllm/csrc/``), so
+each compiles in about a second with the system compiler on first use. A build is
+cached, keyed by everything that changes the binary (source, headers, flags, compiler,
+this CPU's features)::
 
-    $MICROVLLM_CACHE (default ~/.cache/microvllm, as for the default model)
+    envs.cache_dir()  (default ~/.cache/microvllm)
         └── cpu_kernels/<key>/<name>.so
 
-Tensors cross into C++ as raw pointers, so every kernel's Python wrapper checks
-dtypes, shapes and contiguity first, because C++ cannot.
+``load(name)`` returns the library with every C function declared for ctypes. The
+declarations are read from ``csrc/ops.h``, the one place each C signature is written
+(the kernels' .cpp files include it, so the compiler holds them to it)::
+
+    ops.h    void rms_norm(int dtype, const void* x, void* residual, ..., float eps);
+    ctypes   lib.rms_norm.argtypes = [c_int, c_void_p, c_void_p, ..., c_float]
+
+Tensors cross into C++ as raw pointers, so every kernel's Python wrapper checks dtypes,
+shapes and contiguity first, because C++ cannot.
 
 Two details that matter:
 
@@ -32,42 +39,116 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from microvllm.models.default_model import cache_dir
+from microvllm import envs
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     # GCC vectorizes with 256-bit registers on AVX-512 CPUs unless asked; 512-bit made
     # the attention kernel 10% (float32) to 20% (bfloat16) faster on a Sapphire Rapids Xeon.
     COMPILE_FLAGS.append("-mprefer-vector-width=512")
-INCLUDE_DIR = Path(__file__).with_name("csrc")   # headers shared by the kernels (dtypes.h)
-COMPILE_FLAGS.append(f"-I{INCLUDE_DIR}")
+CSRC = Path(__file__).parents[2] / "csrc"     # every .cpp and .h of the package
+COMPILE_FLAGS.append(f"-I{CSRC}")
 LINK_FLAGS = ["-shared"]
 OPENMP = ["-fopenmp"]   # dropped, with a warning, by a compiler that lacks it (Apple clang)
-logger = logging.getLogger("microvllm")
+logger = logging.getLogger(__name__)
 
 
 # The dtype argument every kernel's C entry point takes (matching dtypes.h's types).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+@dataclass(frozen=True)
+class Library:
+    """One kernel library: ``csrc/<name>.cpp``, the CPU flags it needs (``/proc/cpuinfo``
+    names) and what runs without it; ``init``: a C function to call once after loading
+    (it returns 0, or else the library is refused with ``init_error``)."""
+
+    needs: tuple[str, ...] = ()
+    otherwise: str = ""
+    init: str | None = None
+    init_error: str = ""
+
+
+LIBRARIES = {
+    "norm_rope": Library(),            # RMSNorm (+ residual add) and RoPE
+    "activation": Library(),           # silu_and_mul
+    "argmax": Library(),               # greedy sampling
+    "paged_attention": Library(),      # write_kv and decode attention
+    "prefill_attention": Library(),    # prefill chunks (tiles need AVX-512; see prefill_supported)
+    "avx512_linear": Library(("avx512f",), ": float32 projections use oneDNN and MKL instead"),
+    "amx_linear": Library(("amx_tile", "amx_bf16", "avx512_bf16"),
+                          " (AMX): bfloat16 projections use oneDNN instead", init="amx_init",
+                          init_error="Linux refused this process the AMX tile registers "
+                                     "(arch_prctl ARCH_REQ_XCOMP_PERM needs Linux 5.16 or newer)"),
+    "decode_layers": Library(),        # the decode fast path's layer loop
+}
+
+
 class KernelUnavailable(RuntimeError):
     """A C++ kernel could not be built or used here; the message says why."""
 
 
-def unavailable_reason(load) -> str | None:
-    """Call a kernel's ``load()``: None if it works here, else why not (for ``*_status``)."""
+@lru_cache(maxsize=None)
+def load(name: str) -> ctypes.CDLL:
+    """Build ``csrc/<name>.cpp`` (if needed) and load it, once per process, with every C
+    function it defines declared from ``ops.h``. Raises ``KernelUnavailable`` saying why
+    it cannot be used here."""
+    library = LIBRARIES[name]
+    missing = [flag for flag in library.needs if flag not in cpu_flags()]
+    if missing:
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}{library.otherwise}")
+    # torch is imported (above) before the library loads, so the library's OpenMP
+    # calls bind to the runtime torch already loaded: one thread pool, not two.
+    lib = ctypes.CDLL(str(build(CSRC / f"{name}.cpp")))
+    for function, (restype, argtypes) in signatures().items():
+        if hasattr(lib, function):   # the functions this library defines
+            fn = getattr(lib, function)
+            fn.restype, fn.argtypes = restype, argtypes
+    if library.init is not None and getattr(lib, library.init)() != 0:
+        raise KernelUnavailable(library.init_error)
+    return lib
+
+
+@lru_cache(maxsize=None)
+def status(name: str) -> str | None:
+    """None if the ``name`` library builds and loads here, else the reason it does not."""
     try:
-        load()
+        load(name)
     except (KernelUnavailable, OSError) as error:
         return str(error)
     return None
+
+
+_C_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+_PROTOTYPE = re.compile(r"^(void|int) (\w+)\((.*)\);$")
+
+
+@lru_cache(maxsize=None)
+def signatures() -> dict[str, tuple]:
+    """``{name: (restype, argtypes)}`` for every prototype in ``csrc/ops.h`` (pointers of
+    any type cross as ``c_void_p``)."""
+    result = {}
+    for line in (CSRC / "ops.h").read_text().splitlines():
+        match = _PROTOTYPE.match(line.strip())
+        if match is None:
+            continue
+        restype, name, params = match.groups()
+        argtypes = []
+        for param in filter(None, (p.strip() for p in params.split(","))):
+            kind = param.rsplit(" ", 1)[0].replace("const ", "").strip()
+            argtypes.append(ctypes.c_void_p if "*" in param else _C_TYPES[kind])
+        result[name] = (None if restype == "void" else ctypes.c_int, argtypes)
+    return result
 
 
 def cpu_flags() -> set[str]:
@@ -81,29 +162,11 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def load_library(source: Path, functions: dict[str, tuple], *, cpu_needs: tuple[str, ...] = (),
-                 otherwise: str = "") -> ctypes.CDLL:
-    """Build ``source`` (if needed) and load it with ctypes, declaring each C function
-    ``name: (restype, argtypes)`` so that ctypes converts its arguments. With
-    ``cpu_needs`` (``/proc/cpuinfo`` flags), a CPU that lacks any of them raises
-    ``KernelUnavailable`` first: "this CPU lacks <flags><otherwise>"."""
-    missing = [flag for flag in cpu_needs if flag not in cpu_flags()]
-    if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}{otherwise}")
-    # torch is imported (above) before the library loads, so the library's OpenMP
-    # calls bind to the runtime torch already loaded: one thread pool, not two.
-    lib = ctypes.CDLL(str(build(source)))
-    for name, (restype, argtypes) in functions.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
-
-
 def build(source: Path) -> Path:
     """Compile ``source`` into a shared library unless this exact build is cached;
     return the library's path. Raises ``KernelUnavailable`` saying what to fix."""
     compiler = _compiler()
-    target = cache_dir() / "cpu_kernels" / _build_key(source, compiler) / f"{source.stem}.so"
+    target = envs.cache_dir() / "cpu_kernels" / _build_key(source, compiler) / f"{source.stem}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +187,7 @@ def build(source: Path) -> Path:
 
 
 def _compiler() -> str:
-    chosen = os.environ.get("CXX")
+    chosen = envs.cxx()
     if chosen:
         if shutil.which(chosen) is None:
             raise KernelUnavailable(f"CXX={chosen!r} is not a compiler found on this machine; "
@@ -138,7 +201,7 @@ def _compiler() -> str:
 
 def _build_key(source: Path, compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]
     parts = [source.read_bytes().decode(), *headers, " ".join(COMPILE_FLAGS + LINK_FLAGS + OPENMP), version,
              platform.machine(), " ".join(sorted(cpu_flags())) or platform.processor()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

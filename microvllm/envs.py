@@ -1,0 +1,37 @@
+"""Every environment variable microvllm reads, in one place (as vLLM's ``vllm/envs.py``).
+
+    MICROVLLM_CACHE    where converted models and compiled CPU kernels live
+                       (default: $XDG_CACHE_HOME/microvllm, else ~/.cache/microvllm)
+    CXX                the C++ compiler for the CPU kernels (default: c++, g++ or clang++)
+    TRITON_INTERPRET   1: run the Triton kernels in Triton's interpreter (on a CPU)
+
+Each is read when it is used, not at import, so a notebook or a test can set it first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``$MICROVLLM_CACHE``, else ``$XDG_CACHE_HOME/microvllm``, else ``~/.cache/microvllm``::
+
+        <cache_dir>/
+            SmolLM2-135M-Instruct/       the embedded model, converted on first use
+            cpu_kernels/<build key>/     the CPU platform's compiled kernels
+    """
+    if os.environ.get("MICROVLLM_CACHE"):
+        return Path(os.environ["MICROVLLM_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "microvllm"
+
+
+def cxx() -> str | None:
+    """The compiler named by ``$CXX``, or None to look for one."""
+    return os.environ.get("CXX") or None
+
+
+def triton_interpret() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -1,0 +1,174 @@
+"""The CPU platform's GEMM for ``Linear``: weights packed once, not at every call.
+
+A BLAS library multiplies ``x [M, K] @ W.T`` by first copying ``W`` into a
+cache-friendly tiled layout ("packing"), then running its micro-kernel over the
+tiles. ``torch.nn.functional.linear`` packs the weight again at every call. For a
+prefill (M in the hundreds) that copy is small next to the arithmetic; for a
+decode step (M = number of running requests, often 1-32) it is a large share of
+the time, since every one of the model's weights is copied once more per step::
+
+    F.linear(x, W)            pack W ──> multiply          (every call)
+    PackedGemm(W)(x)          pack W once ──> multiply     (every call reuses the pack)
+
+Pre-packing is what vLLM's CPU backend does too (``dispatch_cpu_unquantized_gemm``:
+oneDNN with a pre-packed weight, or on AMX CPUs ``weight_packed_linear`` from SGLang).
+Here it uses the oneDNN operators PyTorch's own compiler uses for the same purpose
+(``torch.ops.mkldnn``), and, at decode sizes, where the weights are the traffic, our
+own kernels (``gemm_kernels.py``) where the CPU has their instructions. Each call picks
+by dtype and row count (notebook 11 measures why these bounds)::
+
+    rows per call           1-2        3-32       33-64      65-256     >256
+    float32, AVX-512 CPU    AVX-512    AVX-512    AVX-512    oneDNN     F.linear
+    float32 elsewhere       F.linear   oneDNN     oneDNN     oneDNN     F.linear
+    bfloat16, AMX CPU       AMX        AMX        oneDNN     oneDNN     oneDNN
+    bfloat16 elsewhere      oneDNN     oneDNN     oneDNN     oneDNN     oneDNN
+
+A weight's packs are all made at load time: one more copy of the weights, for never
+being slower. On any other device or dtype, with autograd on, or where oneDNN is
+missing, ``F.linear`` runs: the same result up to float rounding (~1e-6 relative in
+float32; bfloat16 measured bit-identical).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from microvllm.platforms.cpu import gemm_kernels
+
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# float32 inputs with fewer or more rows than these use F.linear, if not the
+# AVX-512 kernel (see above).
+FLOAT32_MIN_ROWS, FLOAT32_MAX_ROWS = 3, 256
+# Inputs with at most this many rows use our kernels, where they are usable.
+AMX_MAX_ROWS = 32          # bfloat16
+AVX512_MAX_ROWS = 64       # float32
+
+
+def packing_available() -> bool:
+    """Whether this PyTorch build has the oneDNN linear operators used here."""
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+_AVAILABLE = packing_available()
+
+
+class PackedGemm:
+    """``y = x @ weight.T (+ bias)`` with ``weight`` packed once, for oneDNN and for our
+    kernel (AMX tiles for bfloat16, AVX-512 panels for float32) where the CPU has it;
+    each call uses the pack that suits its row count.
+
+    The packs are copies: they are rebuilt whenever the weight changes (another tensor,
+    another dtype, or an in-place update such as loading a checkpoint), so callers
+    never see a stale result."""
+
+    def __init__(self):
+        self._key: tuple | None = None                # identifies the weight the packs are of
+        self._kinds: list[str] = []                   # the packs that weight can use here
+        self._packs: dict[str, torch.Tensor] = {}     # "amx" / "avx512" / "onednn" -> pack
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        kind = self._choose(x, weight, bias)
+        if kind is None:
+            return F.linear(x, weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if kind == "amx":
+            out = gemm_kernels.amx_linear(rows, self._pack(weight, kind), bias)
+        elif kind == "avx512":
+            out = gemm_kernels.avx512_linear(rows, self._pack(weight, kind), bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self._pack(weight, kind), bias,
+                                                     "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    def prepack(self, weight: torch.Tensor) -> None:
+        """Make every pack ``weight`` can use here now (the loader does, as vLLM packs at
+        load time), so that no step pays for one; a no-op where packing does not apply."""
+        for kind in self._refresh(weight):
+            self._pack(weight, kind)
+
+    def packings(self, weight: torch.Tensor) -> list[str]:
+        """The packs ``weight`` can use here (``"amx"`` or ``"avx512"``, ``"onednn"``)."""
+        return self._refresh(weight)
+
+    def pack(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
+        """``weight``'s ``kind`` pack, as a call would use it now (remade if ``weight``
+        changed); for callers that run the kernel themselves (``DecodeFastPath``)."""
+        if kind not in self._refresh(weight):
+            raise ValueError(f"a {weight.dtype} {list(weight.shape)} weight has no {kind!r} pack here")
+        return self._pack(weight, kind)
+
+    def _choose(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> str | None:
+        """The pack this call uses (see the table above), or None for ``F.linear``."""
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if not (x.device.type == "cpu" and x.dtype == weight.dtype and rows > 0
+                and x.shape[-1] == weight.shape[1] and (bias is None or bias.dtype == weight.dtype)
+                and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                         for t in (x, weight, bias)))):
+            return None
+        kinds = self._refresh(weight)
+        if "amx" in kinds and rows <= AMX_MAX_ROWS:
+            return "amx"
+        if "avx512" in kinds and rows <= AVX512_MAX_ROWS:
+            return "avx512"
+        if weight.dtype == torch.float32 and not FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS:
+            return None
+        return "onednn" if "onednn" in kinds else None
+
+    def _refresh(self, weight: torch.Tensor) -> list[str]:
+        """The packs ``weight`` can use here, worked out once per weight; a changed weight
+        drops the old packs."""
+        key = (weight.data_ptr(), weight.dtype, tensor_version(weight), tuple(weight.shape))
+        if key != self._key:
+            self._key, self._kinds, self._packs = key, _packings(weight), {}
+        return self._kinds
+
+    def _pack(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
+        """The ``kind`` pack of ``weight`` (made on first use; ``_refresh`` came first)."""
+        if kind not in self._packs:
+            if kind == "amx":
+                self._packs[kind] = gemm_kernels.amx_pack_weight(weight)
+            elif kind == "avx512":
+                self._packs[kind] = gemm_kernels.avx512_pack_weight(weight)
+            else:
+                self._packs[kind] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        return self._packs[kind]
+
+
+def _packings(weight: torch.Tensor) -> list[str]:
+    """The packs this weight can use here: ``"amx"`` or ``"avx512"``, and ``"onednn"``."""
+    if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
+        return []
+    kinds = []
+    if weight.dtype == torch.bfloat16 and gemm_kernels.amx_supports(weight):
+        kinds.append("amx")
+    if weight.dtype == torch.float32 and gemm_kernels.avx512_supports(weight):
+        kinds.append("avx512")
+    if _AVAILABLE:
+        kinds.append("onednn")
+    return kinds
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (tensors made under
+    ``torch.inference_mode`` have none; they cannot be updated outside it either)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
+class PackedLinear:
+    """``Linear``'s CPU version: ``F.linear``'s result through a ``PackedGemm`` whose packs
+    are made now, when the platform binds it after loading, so that no step pays for one."""
+
+    def __init__(self, linear):
+        self.linear, self.gemm = linear, PackedGemm()
+        self.gemm.prepack(linear.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.linear.weight, self.linear.bias)
