@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from microvllm.attention.selector import AUTO, available_backends
+
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache when num_kv_blocks is not given
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -78,6 +80,9 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend={self.attention_backend!r} must be a backend name such as 'torch'")
+        if self.attention_backend != AUTO and self.attention_backend not in available_backends():
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not known; "
+                             f"choose {AUTO!r} or one of {available_backends()}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

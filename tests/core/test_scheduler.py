@@ -233,12 +233,17 @@ def test_update_requires_a_token_for_finished_prefills():
 # ------------------------------------------------------- refusals
 
 
-def test_requests_that_can_never_run_are_refused():
+def test_a_request_that_can_never_run_stalls_loudly_and_ids_are_unique():
+    """Whether a prompt can ever run is checked once, before the scheduler sees it
+    (``Engine.process_request``: tests/reliability/test_validation.py); one that gets here
+    anyway is reported by schedule(), never spun on."""
     scheduler, runner = make_scheduler(num_blocks=4, max_model_len=64)  # 3 usable blocks = 12 tokens
+    scheduler.add_request(make_request("big", list(range(13)), B))
     with pytest.raises(PoolTooSmallError, match="'big' needs 4 KV blocks for 13 tokens .* only 3 usable"):
-        scheduler.add_request(make_request("big", list(range(13)), B))
-    with pytest.raises(ValueError, match="max_model_len is 64"):
-        scheduler.add_request(make_request("long", list(range(65)), B))
+        for _ in range(3):
+            out = scheduler.schedule()
+            scheduler.update_from_output(out, runner.execute(out))
+    scheduler, runner = make_scheduler(num_blocks=4, max_model_len=64)
     scheduler.add_request(make_request("a", [1], B))
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request(make_request("a", [1], B))

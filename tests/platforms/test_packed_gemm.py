@@ -1,12 +1,16 @@
-"""The pre-packed CPU matmul (``microvllm.layers.linear``) against ``F.linear``."""
+"""The CPU platform's pre-packed matmul (``platforms/cpu/gemm.py``), bound to ``Linear``,
+against ``F.linear`` (``Linear.forward_native``)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from microvllm.layers import cpu_kernels
-from microvllm.layers.linear import (AVX512_MAX_ROWS, FLOAT32_MAX_ROWS, FLOAT32_MIN_ROWS, Linear,
-                                     PackedGemm, packing_available)
+from microvllm.layers.linear import Linear
+from microvllm.platforms.cpu import gemm_kernels
+from microvllm.platforms.cpu.gemm import (AMX_MAX_ROWS, AVX512_MAX_ROWS, FLOAT32_MAX_ROWS,
+                                          FLOAT32_MIN_ROWS, PackedGemm, PackedLinear,
+                                          packing_available)
+from tests.platforms.conftest import on_cpu_platform
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -16,20 +20,23 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear(dtype, rows, bias):
     torch.manual_seed(rows)
-    layer = Linear(96, 160, bias=bias).to(dtype)
+    layer = on_cpu_platform(Linear(96, 160, bias=bias).to(dtype))
+    assert isinstance(layer._forward_method, PackedLinear)
     x = torch.randn(rows, 96, dtype=dtype)
     with torch.inference_mode():
         out = layer(x)
+        chosen = layer._forward_method.gemm._choose(x, layer.weight, layer.bias)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **TOL[dtype])
-    packed = packing_available() and (dtype == torch.bfloat16
+    onednn = packing_available() and (dtype == torch.bfloat16
                                       or FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS)
     avx512 = (dtype == torch.float32 and rows <= AVX512_MAX_ROWS
-              and cpu_kernels.avx512_supports(layer.weight))
-    assert bool(layer.gemm._packs) == (packed or avx512)
+              and gemm_kernels.avx512_supports(layer.weight))
+    amx = dtype == torch.bfloat16 and rows <= AMX_MAX_ROWS and gemm_kernels.amx_supports(layer.weight)
+    assert chosen == ("avx512" if avx512 else "amx" if amx else "onednn" if onednn else None)
 
 
 def test_keeps_leading_dims():
-    layer = Linear(32, 48)
+    layer = on_cpu_platform(Linear(32, 48))
     x = torch.randn(2, 5, 32)
     with torch.inference_mode():
         out = layer(x)
@@ -39,7 +46,7 @@ def test_keeps_leading_dims():
 
 def test_repacks_when_the_weight_changes():
     """A checkpoint loaded in place, or a cast to another dtype, must not leave a stale pack."""
-    layer = Linear(64, 64, bias=False)
+    layer = on_cpu_platform(Linear(64, 64, bias=False))
     x = torch.randn(8, 64)
     with torch.inference_mode():
         layer(x)
@@ -54,11 +61,11 @@ def test_repacks_when_the_weight_changes():
 
 
 def test_autograd_takes_the_plain_path():
-    layer = Linear(16, 8)
+    layer = on_cpu_platform(Linear(16, 8))
     x = torch.randn(4, 16, requires_grad=True)
+    assert layer._forward_method.gemm._choose(x, layer.weight, layer.bias) is None
     layer(x).sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
-    assert not layer.gemm._packs
 
 
 def test_shared_weight_gemm():
@@ -73,14 +80,18 @@ def test_shared_weight_gemm():
 
 @pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN linear ops")
 def test_loaded_models_come_prepacked(tmp_path):
-    """The loader packs every projection and the logits weight, so step 1 packs nothing;
-    the packs are the ones the calls then use (same key: no second pack)."""
+    """The platform packs every projection and the (tied) output projection when it binds
+    them after loading, so step 1 packs nothing; the packs are the ones the calls then use
+    (same key: no second pack)."""
     from microvllm.attention import get_attention_backend
     from microvllm.models.loader import load_model
     from microvllm.models.tiny import make_tiny_model
 
     model, _ = load_model(make_tiny_model(tmp_path / "llama", "llama"), get_attention_backend("torch"))
-    gemms = [m.gemm for m in model.modules() if isinstance(m, Linear)] + [model.logits_gemm]
+    on_cpu_platform(model)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.lm_head in linears
+    gemms = [m._forward_method.gemm for m in linears]
     assert gemms and all(g._packs for g in gemms)
     before = [{kind: id(pack) for kind, pack in g._packs.items()} for g in gemms]
     layer = next(m for m in model.modules() if isinstance(m, Linear))

@@ -1,21 +1,21 @@
-"""The RMSNorm, RoPE and SiLU-and-mul C++ kernels (``layers/cpu_kernels/norm_rope.cpp``,
-``activation.cpp``) against the torch code they replace (``RMSNorm.forward_native``,
-``rotate_native``, ``silu_and_mul_native``), on fresh random inputs (seeded by the
-test's name)."""
+"""The CPU platform's versions of RMSNorm, RoPE and SiLU-and-mul (``platforms/cpu/ops.py``:
+``csrc/norm_rope.cpp``, ``csrc/activation.cpp``), bound to the ops as the worker binds them,
+against each op's ``forward_native`` on fresh random inputs (seeded by the test's name)."""
 
 import pytest
 import torch
 
-from microvllm.cpp_extension import cpu_flags as cpu_kernels_flags
-from microvllm.layers import cpu_kernels
-from microvllm.layers.activation import silu_and_mul, silu_and_mul_native
+from microvllm.layers.activation import SiluAndMul
 from microvllm.layers.layernorm import RMSNorm
-from microvllm.layers.rotary_embedding import rotate, rotate_native
+from microvllm.layers.rotary_embedding import ApplyRotaryEmb, rotate
+from microvllm.platforms.cpu import kernels
+from microvllm.platforms.cpu import ops as cpu_kernels
 from tests.attention.cases import seed_for
+from tests.platforms.conftest import on_cpu_platform
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.norm_rope_status() is not None or cpu_kernels.activation_status() is not None,
-    reason=f"kernels unavailable: {cpu_kernels.norm_rope_status() or cpu_kernels.activation_status()}")
+    kernels.status("norm_rope") is not None or kernels.status("activation") is not None,
+    reason=f"kernels unavailable: {kernels.status('norm_rope') or kernels.status('activation')}")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -39,7 +39,8 @@ def assert_rounding_close(got, want):
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 64), (100, 24), (3, 1000)])
 def test_rms_norm_matches_the_torch_code(rows, hidden, dtype, request):
     g = torch.Generator().manual_seed(seed_for(request.node.name))
-    norm = RMSNorm(hidden, eps=1e-5).to(dtype)
+    norm = on_cpu_platform(RMSNorm(hidden, eps=1e-5).to(dtype))
+    assert norm.implementation == "rms_norm_forward"
     with torch.no_grad():
         norm.weight.copy_(randn(g, hidden, dtype=dtype))
     x = randn(g, rows, hidden, dtype=dtype, scale=3.0)
@@ -52,7 +53,7 @@ def test_fused_residual_add_updates_the_stream_in_place(dtype, request):
     """``norm(x, residual)``: the residual becomes exactly ``residual + x`` (rounded to
     the dtype, as torch's add rounds), in place, and the output is its norm."""
     g = torch.Generator().manual_seed(seed_for(request.node.name))
-    norm = RMSNorm(576).to(dtype)
+    norm = on_cpu_platform(RMSNorm(576).to(dtype))
     x, residual = randn(g, 9, 576, dtype=dtype), randn(g, 9, 576, dtype=dtype, scale=4.0)
     expected_residual = residual + x
     with torch.inference_mode():
@@ -73,8 +74,10 @@ def test_rope_matches_the_torch_code_on_a_qkv_view(tokens, dtype, request):
     angles = torch.rand(tokens, 1, head_dim // 2, generator=g) * 6.3
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     view = qkv[:, :heads + kv_heads]
+    op = on_cpu_platform(ApplyRotaryEmb())
+    assert op.implementation == "rope_forward"
     with torch.inference_mode():
-        got, want = rotate(view, cos, sin), rotate_native(view, cos, sin)
+        got, want = op(view, cos, sin), rotate(view, cos, sin)
     if dtype == torch.bfloat16:
         assert torch.equal(got, want)
     else:
@@ -86,10 +89,12 @@ def test_rope_matches_the_torch_code_on_a_qkv_view(tokens, dtype, request):
 def test_silu_and_mul_matches_the_torch_code(shape, dtype, request):
     g = torch.Generator().manual_seed(seed_for(request.node.name))
     gate_up = randn(g, *shape, dtype=dtype, scale=4.0)
+    op = on_cpu_platform(SiluAndMul())
+    assert op.implementation == "silu_and_mul_forward"
     with torch.inference_mode():
-        got = silu_and_mul(gate_up)
+        got = op(gate_up)
         assert got.shape == (*shape[:-1], shape[-1] // 2)
-        assert_rounding_close(got, silu_and_mul_native(gate_up))
+        assert_rounding_close(got, op.forward_native(gate_up))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -97,23 +102,28 @@ def test_silu_and_mul_at_the_extremes(dtype):
     """Where exp(-gate) overflows (silu -> 0, not NaN) or vanishes (silu -> gate)."""
     gate = torch.tensor([-1000.0, -200.0, -88.5, -20.0, 0.0, 20.0, 200.0, 1000.0])
     gate_up = torch.cat([gate, torch.full_like(gate, 3.0)]).to(dtype).unsqueeze(0)
+    op = on_cpu_platform(SiluAndMul())
     with torch.inference_mode():
-        got, want = silu_and_mul(gate_up).float(), silu_and_mul_native(gate_up).float()
+        got, want = op(gate_up).float(), op.forward_native(gate_up).float()
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-30)
 
 
 def test_other_dtypes_and_autograd_take_the_torch_code():
     half = torch.randn(2, 8, dtype=torch.float16)
-    assert not cpu_kernels.norm_rope_applies(half, torch.ones(8, dtype=torch.float16))
+    assert not cpu_kernels.applies(half, torch.ones(8, dtype=torch.float16))
     x = torch.randn(2, 8, requires_grad=True)
-    norm = RMSNorm(8)
+    norm = on_cpu_platform(RMSNorm(8))
     with torch.enable_grad():
-        assert not cpu_kernels.norm_rope_applies(x, norm.weight)
+        assert not cpu_kernels.applies(x, norm.weight)
         norm(x).sum().backward()                      # the torch code: gradients flow
     assert x.grad is not None and norm.weight.grad is not None
-    assert not cpu_kernels.activation_applies(torch.randn(2, 8, dtype=torch.float16))
-    assert not cpu_kernels.activation_applies(torch.randn(2, 7))   # no even split
+    half_norm = on_cpu_platform(RMSNorm(8).to(torch.float16))
+    assert torch.equal(half_norm(half), half_norm.forward_native(half))
+    silu = on_cpu_platform(SiluAndMul())
+    odd = torch.randn(2, 7)                            # no even split: the torch code's error
+    with pytest.raises(RuntimeError):
+        silu(odd)
 
 
 def test_bad_shapes_are_refused():
@@ -124,25 +134,23 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])   # qwen3: the per-head q/k norm too
-def test_bfloat16_engine_tokens_do_not_change_with_the_kernels(family, tmp_path, monkeypatch):
+def test_bfloat16_engine_tokens_do_not_change_with_the_kernels(family, tmp_path):
+    """The same attention backend ("torch") with the platform's ops and with
+    ``enforce_eager=True`` (every op's forward_native): the same greedy tokens."""
     from microvllm.models.tiny import make_tiny_model
     from tests.engine.conftest import greedy_by_backend, varied_prompts
 
     folder = make_tiny_model(tmp_path / family, family, seed=7)
     prompts = varied_prompts(512, count=6, seed=5, max_len=40)
 
-    def generate():
-        return greedy_by_backend(folder, prompts, ["auto"], dtype="bfloat16")["auto"][1]
+    def generate(enforce_eager):
+        return greedy_by_backend(folder, prompts, ["torch"], dtype="bfloat16",
+                                 enforce_eager=enforce_eager)["torch"][1]
 
-    with_kernels = generate()
-    monkeypatch.setattr(cpu_kernels, "norm_rope_applies", lambda *tensors: False)
-    monkeypatch.setattr(cpu_kernels, "activation_applies", lambda gate_up: False)
-    from microvllm.models import decode_fast_path   # which calls the kernels without asking
-    monkeypatch.setattr(decode_fast_path, "unsupported_reason", lambda model: "off in this test")
-    assert generate() == with_kernels
+    assert generate(enforce_eager=True) == generate(enforce_eager=False)
 
 
-@pytest.mark.skipif("avx512bw" not in cpu_kernels_flags(), reason="this CPU runs the portable loops already")
+@pytest.mark.skipif("avx512bw" not in kernels.cpu_flags(), reason="this CPU runs the portable loops already")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_portable_loops_agree_with_the_avx512_ones(dtype, tmp_path, request):
     """CPUs without AVX-512 run each kernel's portable loops: built here with AVX-512 off,
@@ -150,21 +158,19 @@ def test_the_portable_loops_agree_with_the_avx512_ones(dtype, tmp_path, request)
     within a rounding step, where a sum's order or exp's last bit differs)."""
     import ctypes
 
-    from microvllm import cpp_extension
-    from microvllm.cpp_extension import DTYPE_CODES
-    from microvllm.layers.cpu_kernels import activation, norm_rope
+    from microvllm.platforms.cpu.kernels import CSRC, DTYPE_CODES
 
-    def portable(source):
-        lib = tmp_path / f"{source.stem}.so"
-        cpp_extension._compile(cpp_extension._compiler(), source, tmp_path / f"{source.stem}.o", lib,
-                               ["-mno-avx512f"])   # no AVX-512: vec512.h's paths drop out
+    def portable(name):
+        source, lib = CSRC / f"{name}.cpp", tmp_path / f"{name}.so"
+        kernels._compile(kernels._compiler(), source, tmp_path / f"{name}.o", lib,
+                         ["-mno-avx512f"])   # no AVX-512: vec512.h's paths drop out
         return ctypes.CDLL(str(lib))
 
     g = torch.Generator().manual_seed(seed_for(request.node.name))
     rows, hidden, heads, head_dim, d = 37, 40, 5, 24, 56   # row lengths that leave masked tails
     code, ptr = DTYPE_CODES[dtype], ctypes.c_void_p
-    built = {"avx512": (cpu_kernels.load_norm_rope(), cpu_kernels.load_activation()),
-             "portable": (portable(norm_rope.SOURCE), portable(activation.SOURCE))}
+    built = {"avx512": (kernels.load("norm_rope"), kernels.load("activation")),
+             "portable": (portable("norm_rope"), portable("activation"))}
     x, weight = randn(g, rows, hidden, dtype=dtype, scale=3.0), randn(g, hidden, dtype=dtype)
     residual = randn(g, rows, hidden, dtype=dtype)
     qkv = randn(g, rows, heads + 2, head_dim, dtype=dtype)

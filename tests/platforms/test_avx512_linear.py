@@ -1,4 +1,4 @@
-"""The AVX-512 float32 linear kernel (``layers/cpu_kernels/avx512_linear.cpp``) against
+"""The AVX-512 float32 linear kernel (``csrc/avx512_linear.cpp``) against
 float64 math and torch.
 
 Fresh random inputs per test (seeded by the test's name). Skipped where the kernel
@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from microvllm.layers import cpu_kernels
-from microvllm.layers.linear import AVX512_MAX_ROWS, Linear
+from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
+from microvllm.layers.linear import Linear
+from microvllm.platforms.cpu.gemm import AVX512_MAX_ROWS
 from tests.attention.cases import seed_for
+from tests.platforms.conftest import on_cpu_platform
 
 needs_avx512 = pytest.mark.skipif(cpu_kernels.avx512_status() is not None,
                                   reason=f"AVX-512 kernel unavailable: {cpu_kernels.avx512_status()}")
@@ -105,29 +107,32 @@ def test_packed_gemm_routes_float32_by_rows(n, k, kernel, monkeypatch):
     calls = []
     real = cpu_kernels.avx512_linear
     monkeypatch.setattr(cpu_kernels, "avx512_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    layer = Linear(k, n)
+    layer = on_cpu_platform(Linear(k, n))
     for rows in (1, AVX512_MAX_ROWS, AVX512_MAX_ROWS + 1, 300):
         x = torch.randn(rows, k)
         with torch.inference_mode():
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert calls == ([1, AVX512_MAX_ROWS] if kernel else [])
-    assert "avx512" in layer.gemm._packs if kernel else "avx512" not in layer.gemm._packs
+    assert "avx512" in layer._forward_method.gemm._packs if kernel else "avx512" not in layer._forward_method.gemm._packs
 
 
 def test_without_avx512_the_kernel_says_why_and_float32_uses_onednn():
     """Run in a fresh interpreter that pretends the CPU has no AVX-512."""
     script = """
 import torch
-from microvllm import cpp_extension
-cpp_extension.cpu_flags = lambda: {"avx2"}
-from microvllm.layers import cpu_kernels
-from microvllm.layers.linear import Linear, packing_available
+from microvllm.platforms.cpu import kernels
+kernels.cpu_flags = lambda: {"avx2"}
+from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
+from microvllm.platforms import get_platform
+from microvllm.layers.linear import Linear
+from microvllm.platforms.cpu.gemm import packing_available
 reason = cpu_kernels.avx512_status()
 assert reason is not None and "avx512f" in reason, reason
 layer = Linear(64, 32)
+get_platform("cpu").process_weights_after_loading(layer)
 with torch.inference_mode():
     layer(torch.randn(4, 64))
-assert set(layer.gemm._packs) == ({"onednn"} if packing_available() else set())
+assert set(layer._forward_method.gemm._packs) == ({"onednn"} if packing_available() else set())
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -150,7 +155,7 @@ def test_float32_engine_tokens_do_not_change_with_the_kernel(tmp_path, monkeypat
     calls = []
     # Decode steps would take the fast path, which calls the C function itself (its
     # own tests compare it with the modules): here every step goes through the modules.
-    from microvllm.models import decode_fast_path
+    from microvllm.platforms.cpu import decode_fast_path
     monkeypatch.setattr(decode_fast_path, "unsupported_reason", lambda model: "off in this test")
     real = cpu_kernels.avx512_linear
     monkeypatch.setattr(cpu_kernels, "avx512_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))

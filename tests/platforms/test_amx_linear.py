@@ -1,4 +1,4 @@
-"""The AMX bfloat16 linear kernel (``layers/cpu_kernels``) against float32 math and torch.
+"""The AMX bfloat16 linear kernel (``csrc/amx_linear.cpp``) against float32 math and torch.
 
 Fresh random inputs per test (seeded by the test's name). Skipped where the kernel
 cannot run (no AMX CPU, old Linux, no compiler); the fallback is tested everywhere."""
@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from microvllm.layers import cpu_kernels
-from microvllm.layers.linear import AMX_MAX_ROWS, Linear
+from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
+from microvllm.layers.linear import Linear
+from microvllm.platforms.cpu.gemm import AMX_MAX_ROWS
 from tests.attention.cases import seed_for
+from tests.platforms.conftest import on_cpu_platform
 
 needs_amx = pytest.mark.skipif(cpu_kernels.amx_status() is not None,
                                reason=f"AMX kernel unavailable: {cpu_kernels.amx_status()}")
@@ -103,29 +105,32 @@ def test_packed_gemm_routes_bfloat16_by_rows(n, k, amx, monkeypatch):
     calls = []
     kernel = cpu_kernels.amx_linear
     monkeypatch.setattr(cpu_kernels, "amx_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
-    layer = Linear(k, n).to(torch.bfloat16)
+    layer = on_cpu_platform(Linear(k, n).to(torch.bfloat16))
     for rows in (1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 300):
         x = torch.randn(rows, k).to(torch.bfloat16)
         with torch.inference_mode():
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
     assert calls == ([1, AMX_MAX_ROWS] if amx else [])
-    assert set(layer.gemm._packs) == ({"amx", "onednn"} if amx else {"onednn"})
+    assert set(layer._forward_method.gemm._packs) == ({"amx", "onednn"} if amx else {"onednn"})
 
 
 def test_without_amx_the_kernel_says_why_and_bfloat16_uses_onednn():
     """Run in a fresh interpreter that pretends the CPU has no AMX."""
     script = """
 import torch
-from microvllm import cpp_extension
-cpp_extension.cpu_flags = lambda: {"avx512f"}
-from microvllm.layers import cpu_kernels
-from microvllm.layers.linear import Linear, packing_available
+from microvllm.platforms.cpu import kernels
+kernels.cpu_flags = lambda: {"avx512f"}
+from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
+from microvllm.platforms import get_platform
+from microvllm.layers.linear import Linear
+from microvllm.platforms.cpu.gemm import packing_available
 reason = cpu_kernels.amx_status()
 assert reason is not None and "amx_tile" in reason, reason
 layer = Linear(64, 32).to(torch.bfloat16)
+get_platform("cpu").process_weights_after_loading(layer)
 with torch.inference_mode():
     layer(torch.randn(4, 64).to(torch.bfloat16))
-assert set(layer.gemm._packs) == ({"onednn"} if packing_available() else set())
+assert set(layer._forward_method.gemm._packs) == ({"onednn"} if packing_available() else set())
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -148,7 +153,7 @@ def test_bfloat16_engine_tokens_do_not_change_with_the_kernel(tmp_path, monkeypa
     calls = []
     # Decode steps would take the fast path, which calls the C function itself (its
     # own tests compare it with the modules): here every step goes through the modules.
-    from microvllm.models import decode_fast_path
+    from microvllm.platforms.cpu import decode_fast_path
     monkeypatch.setattr(decode_fast_path, "unsupported_reason", lambda model: "off in this test")
     kernel = cpu_kernels.amx_linear
     monkeypatch.setattr(cpu_kernels, "amx_linear", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))

@@ -3,7 +3,7 @@ same greedy tokens as the torch backend and as Hugging Face transformers."""
 
 import pytest
 
-from microvllm.attention import cpu_kernels
+from microvllm.platforms.cpu import attention as cpu_kernels
 from tests.engine.conftest import greedy_by_backend, hf_greedy, varied_prompts
 
 

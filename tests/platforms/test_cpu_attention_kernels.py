@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from microvllm.attention import cpu_kernels
-from microvllm.attention.backend import get_attention_backend, resolve_backend_name
-from microvllm.attention.cpu_backend import CPUAttentionBackend
+from microvllm.attention.selector import get_attention_backend
+from microvllm.platforms.cpu import attention as cpu_kernels
+from microvllm.platforms.cpu.attention_backend import CPUAttentionBackend
 from microvllm.attention.torch_ref import paged_attention_torch
 from microvllm.bench.attention import random_paged_batch
 from tests.attention.cases import HEADS, WINDOWS, assert_matches, batch_lengths, make_batch, seed_for
@@ -105,22 +105,23 @@ def test_build_is_cached_and_falls_back_without_a_compiler(tmp_path):
     script = f"""
 import os, time
 os.environ["MICROVLLM_CACHE"] = {str(tmp_path)!r}
-from microvllm.attention import cpu_kernels
-from microvllm.attention.backend import resolve_backend_name
-first = cpu_kernels.build()
+from microvllm.platforms import get_platform
+from microvllm.platforms.cpu import kernels
+source = kernels.CSRC / "paged_attention.cpp"
+first = kernels.build(source)
 assert first.is_relative_to({str(tmp_path)!r}), first
 mtime = first.stat().st_mtime_ns
-assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime   # cached: not rebuilt
-cpu_kernels.load()
+assert kernels.build(source) == first and first.stat().st_mtime_ns == mtime   # cached: not rebuilt
+kernels.load("paged_attention")
 import torch
 tiny = torch.tensor([1e-39]) / 8          # denormal results survive: no flush-to-zero
 assert tiny.item() != 0.0, "loading the kernel switched the process to flush denormals"
 os.environ["MICROVLLM_CACHE"] = {str(tmp_path / "other")!r}
 os.environ["CXX"] = "/nonexistent/c++"
-cpu_kernels.load.cache_clear(); cpu_kernels.kernel_status.cache_clear()
-reason = cpu_kernels.kernel_status()
+kernels.load.cache_clear(); kernels.status.cache_clear()
+reason = kernels.status("paged_attention")
 assert reason is not None and "/nonexistent/c++" in reason, reason
-assert resolve_backend_name("auto") == "torch"
+assert get_platform("cpu").resolve_attention_backend("auto") == "torch"
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -260,7 +261,7 @@ def test_prefill_kernel_refuses_inputs_it_cannot_take():
 def test_low_precision_long_chunks_go_to_sdpa(dtype, longest, kernel, monkeypatch):
     """float32 chunks always take the kernel; bfloat16 ones only up to
     LOW_PRECISION_PREFILL_MAX tokens (SDPA's bfloat16 matmuls win on longer ones)."""
-    from microvllm.attention import cpu_backend
+    from microvllm.platforms.cpu import attention_backend as cpu_backend
     assert cpu_backend.LOW_PRECISION_PREFILL_MAX < 600
     calls = []
     real = cpu_kernels.paged_attention_prefill

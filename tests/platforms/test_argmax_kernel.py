@@ -1,15 +1,16 @@
-"""The greedy argmax kernel (``sample/cpu_kernels/argmax.cpp``) returns exactly what
+"""The greedy argmax kernel (``csrc/argmax.cpp``) returns exactly what
 ``torch.argmax(dim=-1)`` returns: first maximum on ties, first NaN when a row has one,
 on fresh random logits (seeded by the test's name)."""
 
 import pytest
 import torch
 
-from microvllm.sample import cpu_kernels
+from microvllm.platforms.cpu import kernels
+from microvllm.platforms.cpu import ops as cpu_kernels
 from tests.attention.cases import seed_for
 
-pytestmark = pytest.mark.skipif(cpu_kernels.argmax_status() is not None,
-                                reason=f"kernel unavailable: {cpu_kernels.argmax_status()}")
+pytestmark = pytest.mark.skipif(kernels.status("argmax") is not None,
+                                reason=f"kernel unavailable: {kernels.status('argmax')}")
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (32, 49152), (5, 17), (3, 1), (64, 1000)])
@@ -36,10 +37,17 @@ def test_ties_nans_and_infinities_like_torch(request):
     assert got[:7].tolist() == [7, 3, 90, 0, 97, 95, 0]
 
 
-def test_other_inputs_take_torch_argmax():
-    half = torch.randn(4, 30).to(torch.bfloat16)
-    assert torch.equal(cpu_kernels.greedy_argmax(half), half.argmax(dim=-1))
+def test_the_samplers_argmax_op_takes_the_kernel_and_other_inputs_take_torch():
+    from microvllm.sample.sampler import Argmax
+    from tests.platforms.conftest import on_cpu_platform
+
+    argmax = on_cpu_platform(Argmax())
+    assert argmax.implementation == "argmax_forward"
+    half = torch.randn(4, 30).to(torch.bfloat16)          # not float32: torch.argmax
+    assert torch.equal(argmax(half), half.argmax(dim=-1))
     strided = torch.randn(30, 4).T                       # not contiguous: copied first
-    assert torch.equal(cpu_kernels.greedy_argmax(strided), strided.argmax(dim=-1))
+    assert torch.equal(argmax(strided), strided.argmax(dim=-1))
     empty = torch.randn(0, 30)
-    assert cpu_kernels.greedy_argmax(empty).shape == (0,)
+    assert argmax(empty).shape == (0,)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.greedy_argmax(half)                   # the wrapper itself refuses it
