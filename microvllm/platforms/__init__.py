@@ -17,7 +17,7 @@ from microvllm.platforms.interface import Platform
 def get_platform(device: str = "cpu", enforce_eager: bool = False) -> Platform:
     """The platform for ``device`` (today: ``"cpu"``)."""
     if device == "cpu":
-        from microvllm.platforms.cpu import CpuPlatform
+        from microvllm.platforms.cpu.platform import CpuPlatform
         return CpuPlatform(enforce_eager=enforce_eager)
     raise ValueError(f"device={device!r} is not supported; microvllm runs on 'cpu'")
 

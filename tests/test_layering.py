@@ -1,0 +1,129 @@
+"""The package's layers: no module imports from a higher layer, and no import cycle.
+
+A learner reads the package bottom-up; each layer may use only the ones below it::
+
+    envs                                     environment variables, cache folders
+    sampling_params trace tokenizer          plain data and text
+      detokenizer core
+    attention layers                         attention backends, the model's building blocks
+    config                                   EngineConfig (knows backend names)
+    models sample                            the models, the loader, the sampler
+    platforms                                the hardware: ops' fast versions, C++ kernels
+    worker  <  executor  <  engine  <  llm   the request's path, top-down
+    viz checks course bench __main__         tools around the engine
+
+Every ``import`` counts, including those inside functions (an import deferred to run
+time is still a dependency); only ``if TYPE_CHECKING:`` blocks are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "microvllm"
+LAYERS = [
+    {"envs"},
+    {"sampling_params", "trace", "tokenizer", "detokenizer", "core", "csrc"},
+    {"attention", "layers"},
+    {"config"},
+    {"models", "sample"},
+    {"platforms"},
+    {"worker"},
+    {"executor"},
+    {"engine"},
+    {"llm"},
+    {"viz", "checks", "course", "bench", "__main__", ""},   # "": the package's __init__
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The package modules ``path`` imports (``from a import b``: ``a.b`` if that is a
+    module, else ``a``), outside ``if TYPE_CHECKING:`` blocks."""
+    found: set[str] = set()
+
+    def add(name: str) -> None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node):
+            test = node.test
+            if getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING":
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node):
+            for alias in node.names:
+                if alias.name.startswith("microvllm"):
+                    add(alias.name)
+
+        def visit_ImportFrom(self, node):
+            if not (node.module or "").startswith("microvllm"):
+                return
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                add(full if full in modules else node.module)
+
+    Visitor().visit(ast.parse(path.read_text()))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: imports(path, set(paths)) - {name} for name, path in paths.items()}
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for index, layer in enumerate(LAYERS):
+        if top in layer:
+            return index
+    raise AssertionError(f"{module} is in no layer: add its top-level name to LAYERS")
+
+
+def test_no_module_imports_from_a_higher_layer():
+    graph = import_graph()
+    upward = [f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+              for module, targets in sorted(graph.items()) for target in sorted(targets)
+              if layer_of(target) > layer_of(module)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_graph_is_real():
+    """The checks above would pass on an empty graph: make sure it is not."""
+    graph = import_graph()
+    assert "microvllm.platforms.cpu.kernels" in graph["microvllm.platforms.cpu.ops"]
+    assert "microvllm.engine.engine" in graph["microvllm.llm"]
+    assert layer_of("microvllm.engine.engine") > layer_of("microvllm.core.scheduler")
