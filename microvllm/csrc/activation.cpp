@@ -9,8 +9,8 @@
 // rounds to the storage type where Hugging Face's bfloat16 model does (after the
 // silu, after the product); the math is float32.
 //
-// Built and loaded by layers/cpu_kernels/activation.py; compared with the torch code
-// it replaces in tests/models/test_layer_kernels.py.
+// Called by platforms/cpu/ops.py; compared with SiluAndMul.forward_native in
+// tests/platforms/test_cpu_ops.py.
 
 #include "ops.h"   // this file's C entry points, declared once
 #include <algorithm>

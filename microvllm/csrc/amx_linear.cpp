@@ -3,11 +3,10 @@
 //   y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])        x, W, bias, y: bfloat16
 //
 // In a decode step M is the number of running requests (1-64), so the weights are
-// the traffic: every step reads all of them once. oneDNN, which torch uses, streamed
-// them at 5-9 GB/s at such M on a 2-core Sapphire Rapids; this kernel streams them
-// near the machine's read bandwidth, with each weight byte read once per call.
-// Software prefetch of the weight tiles a few k blocks ahead made it another 1.2x
-// (1 row) to 1.5x (8 rows) faster: SmolLM2's 120 projections in 12-15 ms at 1-32 rows.
+// the traffic: every step reads all of them once. oneDNN, which torch uses, streams
+// them well below the machine's read bandwidth at such M; this kernel streams them
+// near it, with each weight byte read once per call, and prefetches the weight tiles
+// a few k blocks ahead (notebook 11 has the recorded figures).
 //
 // AMX has eight tile registers tmm0-7 of up to 16 rows x 64 bytes, and one instruction
 // that matters here, tdpbf16ps C, A, B:
@@ -17,7 +16,7 @@
 // B must be in "VNNI" order: row r holds the pairs (k = 2r, 2r+1) of all 16 columns.
 // The Python side packs W once, at load time, into one 1 KiB tile per (n block, k block):
 //
-//   packed[N/16][K/32][16 k-pairs][16 columns][2]      (pack_weight in __init__.py)
+//   packed[N/16][K/32][16 k-pairs][16 columns][2]      (amx_pack_weight in platforms/cpu/gemm_kernels.py)
 //
 // so a tile is 1,024 contiguous bytes and one n block's tiles follow each other.
 //
@@ -32,12 +31,12 @@
 //
 // Each W tile is reused for every 32 rows of x while it is still in cache, so a large M (a
 // prefill) costs no extra memory traffic for W. Accumulation is float32 with the
-// products summed in k order, which on the machine above gave results bit-identical
-// to torch's own bfloat16 matmul (tests/models/test_amx_linear.py checks).
+// products summed in k order, which gave results bit-identical to torch's own
+// bfloat16 matmul (tests/platforms/test_amx_linear.py checks).
 //
 // Requires: an AMX CPU (amx_tile, amx_bf16, avx512_bf16), N % 16 == 0, K % 32 == 0, and
-// Linux's permission for this process to use the tile registers (amx_init). Built and
-// loaded by layers/cpu_kernels/amx.py.
+// Linux's permission for this process to use the tile registers (amx_init). Called by
+// platforms/cpu/gemm_kernels.py.
 
 #include "ops.h"   // this file's C entry points, declared once
 #include <immintrin.h>

@@ -5,7 +5,7 @@
 //
 // which is exactly what torch.argmax(dim=-1) returns. Torch's CPU argmax is a generic
 // reduction that tracks (value, index) pairs element by element; with a 49,152-token
-// vocabulary and 32 rows it took 1.5-2.4 ms per step, more than the step's RMSNorms.
+// vocabulary and 32 rows that costs more per step than the step's RMSNorms.
 // Here a row takes two vector passes: its maximum (and whether it holds a NaN), then
 // the first position equal to it (the row is in cache by then).
 //

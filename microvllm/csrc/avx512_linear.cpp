@@ -5,15 +5,13 @@
 // In a decode step M is the number of running requests (1-64). Every step reads all of
 // the weights once and does 2·M FLOPs per weight read, so with a few rows the kernel
 // must stream W at memory speed, and near 32 rows it must also keep both FMA units
-// busy *while* W streams in. On a 2-core Sapphire Rapids, SmolLM2's 120 projections
-// at 32 rows must read 425 MB (24 ms at the measured bandwidth) and do 6.8 GFLOP
-// (33 ms at a large matmul's rate): oneDNN, which torch uses, took 61 ms; this
-// kernel takes 44 ms (and 22 ms at 1 row, against oneDNN's 28 and MKL's about the same).
+// busy *while* W streams in; oneDNN, which torch uses, does neither at these sizes
+// (notebook 11 has the recorded figures).
 //
 // The Python side packs W once, at load time, into panels of PANEL = 48 output
 // columns, each panel stored k-major, so that one input's 48 weights are three
 // contiguous 64-byte vectors and a panel is one contiguous run of memory
-// (avx512_pack_weight in avx512.py):
+// (avx512_pack_weight in platforms/cpu/gemm_kernels.py):
 //
 //   packed[p][k][j] = W[48·p + j, k]      panel p: K x 48 floats
 //                                         (the last panel N % 48 = 16 or 32 columns wide)
@@ -31,13 +29,13 @@
 // 8 rows. Overlapping that memory read with the arithmetic is what makes 32 rows
 // fast: while a block computes, its row chunks prefetch the *next* block's lines, a
 // few per k step, spread evenly over the block's work (without it, at 32 rows the
-// kernel was 1.4x slower, as slow as oneDNN; pacing them with a division per k step
-// instead of a running count cost another 12%).
+// kernel was much slower, as slow as oneDNN).
 //
 // Every output is one chain of FMAs in k order (partial sums go to y between k blocks
 // and come back exactly); the bias is added at the end.
 //
-// Requires: AVX-512F and N % 16 == 0. Built and loaded by layers/cpu_kernels/avx512.py.
+// Requires: AVX-512F and N % 16 == 0. Called by platforms/cpu/gemm_kernels.py; compared with F.linear in
+// tests/platforms/test_avx512_linear.py.
 
 #include "ops.h"   // this file's C entry points, declared once
 #include <immintrin.h>

@@ -1,6 +1,6 @@
 // The element types microvllm's C++ kernels read and write, and how each is turned into
 // float32 (the kernels' arithmetic) and back. Shared by every kernel source; the build
-// (microvllm/cpp_extension.py) puts this folder on the include path.
+// (microvllm/platforms/cpu/kernels.py) puts this folder on the include path.
 //
 //   Dtype::storage   the C++ type of one element in a torch tensor of that dtype
 //   Dtype::load(x)   -> float32, exactly

@@ -22,8 +22,8 @@
 //              For each head, with x1, x2 its two halves:
 //              out = (T(T(x1*cos) - T(x2*sin)),  T(T(x2*cos) + T(x1*sin)))
 //
-// Built and loaded by layers/cpu_kernels/norm_rope.py; compared with the torch code it
-// replaces in tests/models/test_layer_kernels.py.
+// Called by platforms/cpu/ops.py; compared with the ops' forward_native in
+// tests/platforms/test_cpu_ops.py.
 
 #include "ops.h"   // this file's C entry points, declared once
 #include <cmath>

@@ -31,8 +31,8 @@
 //
 // Arithmetic is float32 whatever T is (as in SDPA's CPU kernel). Threads come from the
 // OpenMP runtime torch already loaded, so torch.set_num_threads applies here too.
-// Built and loaded by cpu_kernels/__init__.py; compared with the torch reference in
-// tests/attention/test_cpu_kernel.py.
+// Called by platforms/cpu/attention.py; compared with the torch reference in
+// tests/platforms/test_cpu_attention_kernels.py.
 
 #include "ops.h"   // this file's C entry points, declared once
 #include <algorithm>

@@ -29,15 +29,13 @@
 // lanes than multiplying). Arithmetic is float32 whatever T is; the result equals
 // SDPA's up to float rounding.
 //
-// Measured on 2 cores of a Sapphire Rapids VM, SmolLM2's heads (9 query, 3 KV, 64
-// wide): float32 2.3-3x faster than SDPA's CPU kernel for prompts of 64-512 tokens
-// (100-140 GFLOP/s), 1.6x at 1,000; bfloat16 2-3x up to 250 tokens, even at 384-512,
-// and slower beyond (SDPA then multiplies in bfloat16 on the AMX units), so the
-// backend keeps long low-precision chunks on SDPA.
+// In float32 it beats SDPA's CPU kernel at every prompt length; in bfloat16 only up to
+// a few hundred tokens (SDPA then multiplies in bfloat16 on the matrix units), so the
+// backend keeps long low-precision chunks on SDPA (notebook 11 has the figures).
 //
 // Needs AVX-512 and head_dim 64 or 128 (prefill_supported() says); the caller falls back
-// to SDPA otherwise. Built and loaded by cpu_kernels/__init__.py; compared with the
-// torch reference in tests/attention/test_cpu_kernel.py.
+// to SDPA otherwise. Called by platforms/cpu/attention.py; compared with the
+// torch reference in tests/platforms/test_cpu_attention_kernels.py.
 
 #include "ops.h"   // this file's C entry points, declared once
 #include <algorithm>

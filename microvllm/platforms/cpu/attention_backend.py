@@ -14,12 +14,12 @@ kernels that read the paged cache where it lies:
 Why kernels: a decode step on a CPU is bound by memory traffic. The torch backend
 gathers each request's pages into a padded copy before SDPA reads it: every cached
 byte is read, written, and read again, every layer. The decode kernel reads it once.
-Prefill chunks are compute-bound (many queries per key): there SDPA's CPU kernel ran
-SmolLM2's prompts of up to a few hundred tokens at 20-50 GFLOP/s on 2 cores, the
-prefill kernel at 70-115 (2-3x faster). In bfloat16, SDPA multiplies in bfloat16 on
-the CPU's matrix units and wins on long chunks; the kernel's math is float32, so it
-takes bfloat16 and float16 steps only while their longest chunk is at most
-``LOW_PRECISION_PREFILL_MAX`` tokens (the two measured even at 384-512).
+Prefill chunks are compute-bound (many queries per key): there the prefill kernel's
+tiles beat SDPA's CPU kernel. In bfloat16, SDPA multiplies in bfloat16 on the CPU's
+matrix units and wins on long chunks; the kernel's math is float32, so it takes
+bfloat16 and float16 steps only while their longest chunk is at most
+``LOW_PRECISION_PREFILL_MAX`` tokens (where the two were even; notebook 11 has the
+figures).
 
 This is vLLM's layout of work too: its CPU backend calls C++ kernels for attention
 (``csrc/cpu/attention.cpp``, ``cpu_attn.cpp``) and ``reshape_and_cache``

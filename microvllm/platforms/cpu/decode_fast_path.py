@@ -226,7 +226,7 @@ class DecodeFastPath:
         return h, residual
 
     def _layers(self, kv_caches) -> ctypes.Array:
-        """Every layer's record (~1 ms to make; remade only when a weight or cache changed:
+        """Every layer's record (remade only when a weight or cache changed:
         a weight changed in place gets its pack remade, as the modules' ``PackedGemm`` would)."""
         first = kv_caches[0]
         if any(c.shape != first.shape or c.dtype != self.dtype or not c.is_contiguous() for c in kv_caches):

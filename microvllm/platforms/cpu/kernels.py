@@ -53,8 +53,8 @@ from microvllm import envs
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17"]
 if platform.machine().lower() in ("x86_64", "amd64"):
-    # GCC vectorizes with 256-bit registers on AVX-512 CPUs unless asked; 512-bit made
-    # the attention kernel 10% (float32) to 20% (bfloat16) faster on a Sapphire Rapids Xeon.
+    # GCC vectorizes with 256-bit registers on AVX-512 CPUs unless asked; the kernels'
+    # loops are written for 512-bit ones.
     COMPILE_FLAGS.append("-mprefer-vector-width=512")
 CSRC = Path(__file__).parents[2] / "csrc"     # every .cpp and .h of the package
 COMPILE_FLAGS.append(f"-I{CSRC}")
