@@ -96,9 +96,9 @@ class EngineArgs:
     generation_config: str = field(default="auto", metadata=_cli(
         "where get_default_sampling_params() reads defaults: auto (the model's "
         "generation_config.json), vllm (SamplingParams()), or a folder"))
-    trace: bool = field(default=False, metadata=_cli("record every engine step (llm.trace)"))
+    trace: bool = field(default=False, metadata=_cli("record every engine step (llm.trace)", cli=False))
     debug_invariants: bool = field(default=False, metadata=_cli(
-        "check the block pool and scheduler after every step (slow)"))
+        "check the block pool and scheduler after every step (slow)", cli=False))
     profiler_config: dict | None = field(default=None, metadata=_cli(
         "vLLM's {'profiler': 'torch', 'torch_profiler_dir': ...} for start_profile()", cli=False))
     components: dict[str, type] | None = field(default=None, metadata=_cli(
