@@ -12,19 +12,20 @@ from __future__ import annotations
 
 from typing import TypedDict, Union
 
-from typing_extensions import NotRequired
-
 
 class TextPrompt(TypedDict):
     prompt: str
     """The text; the tokenizer turns it into ids."""
 
 
-class TokensPrompt(TypedDict):
+class _OptionalPromptText(TypedDict, total=False):
+    prompt: str
+    """Optional text for the output's ``prompt`` field (not tokenized)."""
+
+
+class TokensPrompt(_OptionalPromptText):
     prompt_token_ids: list[int]
     """The token ids of the prompt, used as they are."""
-    prompt: NotRequired[str]
-    """Optional text for the output's ``prompt`` field (not tokenized)."""
 
 
 PromptType = Union[str, TextPrompt, TokensPrompt]
