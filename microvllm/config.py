@@ -50,6 +50,12 @@ class EngineConfig:
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     debug_invariants: bool = False
     """Call ``check_invariants()`` after every step (slow; for tests and the fuzzer)."""
+    generation_config: str = "auto"
+    """Where ``LLM.get_default_sampling_params()`` reads defaults: ``"auto"`` (the model's
+    generation_config.json), ``"vllm"`` (plain ``SamplingParams()``) or a folder."""
+    profiler_config: dict | None = None
+    """vLLM's ``{"profiler": "torch", "torch_profiler_dir": ...}`` for ``start_profile()``
+    (see ``microvllm/profiler.py`` for the default folder)."""
     components: dict[str, type] | None = None
     """Replace engine components with your own classes, e.g. ``{"block_pool": MyBlockPool}``
     (the course's exercises plug in here); the names are the keys of ``COMPONENTS``."""

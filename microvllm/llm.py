@@ -11,34 +11,63 @@ are done — the same loop you can run by hand with ``llm.engine``.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import itertools
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
-from microvllm.config import EngineConfig
+from microvllm.engine.arg_utils import EngineArgs, check_engine_options
 from microvllm.engine.engine import Engine
 from microvllm.engine.outputs import RequestOutput
-from microvllm.sampling_params import SamplingParams
+from microvllm.sampling_params import SamplingParams, default_sampling_params
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_num_batched_tokens: int | None = None,
-                 max_num_seqs: int = 64, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 attention_backend: str = "auto", dtype: str = "float32", seed: int = 0,
-                 trace: bool = False, enforce_eager: bool = False, **engine_options):
-        _check_engine_options(engine_options)
-        config = EngineConfig(
-            model=model, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, attention_backend=attention_backend,
-            dtype=dtype, seed=seed, trace=trace, enforce_eager=enforce_eager, **engine_options)
-        self.engine = Engine(config)
+    """An offline engine for one model: ``generate`` and ``chat`` on lists of prompts
+    (vLLM's ``LLM``; the same arguments mean the same thing).
+
+    Args:
+        model: a Hugging Face model folder, a hub id already in the local Hugging Face
+            cache (``"HuggingFaceTB/SmolLM2-135M-Instruct"``; never downloaded), or None
+            for the embedded SmolLM2-135M-Instruct.
+        block_size: tokens per KV cache block (a power of two; 16).
+        num_kv_blocks: KV cache blocks; default: as many as ``kv_cache_memory_bytes``
+            (1 GiB) holds, capped at what ``max_num_seqs`` full-length requests could use.
+        gpu_memory_utilization: no GPU here: the fraction of ``kv_cache_memory_bytes``
+            the KV cache may use (vLLM's 0.4 gives 0.4 GiB).
+        max_num_batched_tokens: token budget of one engine step (chunked prefill).
+        max_num_seqs: most requests in one step (64).
+        max_model_len: longest prompt + output (default: the model's maximum).
+        enable_prefix_caching / enable_chunked_prefill: on by default, as in vLLM V1.
+        attention_backend: ``"auto"`` (the C++ CPU kernel where it builds, else
+            ``"torch"``), or a registered name such as ``"triton"``.
+        dtype: ``"auto"`` (float32 on a CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        seed: seed of the sampling generator shared by requests without their own seed.
+        generation_config: ``"auto"`` (``get_default_sampling_params`` reads the model's
+            generation_config.json), ``"vllm"`` (plain ``SamplingParams()``) or a folder.
+        profiler_config: ``{"torch_profiler_dir": ...}`` for ``start_profile`` (default
+            folder: ``$VLLM_TORCH_PROFILER_DIR`` or ``./microvllm_profile``).
+        trace: record every engine step for the course's widgets (``llm.trace``).
+        enforce_eager: run the model exactly as the notebooks write it (every layer's
+            ``forward_native``, no compiled kernel, no decode fast path): same tokens, slower.
+        tensor_parallel_size, trust_remote_code, tokenizer, disable_log_stats: vLLM's,
+            accepted where they make sense on one CPU process (each logs what it does);
+            see ``EngineArgs`` for every setting.
+
+    An unknown argument raises ``TypeError`` naming the closest valid one, or saying
+    that it is a vLLM option microvllm does not implement.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        check_engine_options(kwargs)
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.engine = Engine(self.engine_args.create_engine_config())
         self._ids = itertools.count()
+
+    @property
+    def llm_engine(self) -> Engine:
+        """The engine under this LLM (vLLM's name; ``llm.engine`` is the same object)."""
+        return self.engine
 
     @property
     def tokenizer(self):
@@ -118,15 +147,29 @@ class LLM:
         return finished
 
     # ---------------------------------------------------------------- chat
-    def chat(self, messages, sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """``messages``: one conversation (a list of {"role", "content"} dicts) or a list
-        of conversations. Each is rendered with the model's chat template."""
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts)
+        or a list of conversations, each rendered with the chat template (vLLM's ``chat``).
+
+        ``content`` may be a string or OpenAI's parts ``[{"type": "text", "text": ...}]``.
+        ``chat_template`` replaces the model's; ``chat_template_kwargs`` are passed to it;
+        ``continue_final_message=True`` (with ``add_generation_prompt=False``) continues
+        the last assistant message. Each output's ``prompt`` is the rendered text.
+        """
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer, so chat() cannot render messages")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, add_generation_prompt=True)}
-                   for c in conversations]
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.render_chat_template(
+                conversation, add_generation_prompt, chat_template=chat_template,
+                continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+            # The template wrote the special tokens itself: none are added again.
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -------------------------------------------------------------- stream
@@ -151,16 +194,32 @@ class LLM:
                 self.engine.abort_request(request_id)
 
 
-def _check_engine_options(options: dict) -> None:
-    """Refuse an unknown keyword (often a vLLM-only one such as gpu_memory_utilization)
-    with a message that lists what LLM() accepts."""
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise TypeError(f"LLM() got an unknown argument {unknown[0]!r} ({hint}a vLLM option microvllm "
-                        f"does not have, or a typo): remove it. Valid arguments: {', '.join(sorted(known))}")
+    # ------------------------------------------------------ vLLM's surface
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer (``apply_chat_template(..., tokenize=False)`` and all)."""
+        return self.engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's recommended defaults (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens) from its generation_config.json,
+        as vLLM does with ``generation_config="auto"``; ``"vllm"``: plain ``SamplingParams()``."""
+        source = self.engine.config.generation_config
+        if source == "vllm":
+            return SamplingParams()
+        return default_sampling_params(self.engine.model_path if source == "auto" else Path(source))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prompt block (e.g. before timing a run). False while
+        requests hold blocks, unless ``reset_running_requests`` preempts them first."""
+        return self.engine.reset_prefix_cache(reset_running_requests)
+
+    def start_profile(self) -> None:
+        """Start a torch.profiler trace of this process (see ``microvllm/profiler.py``)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> Path:
+        """Stop the trace and write it as a Chrome trace JSON; returns its path."""
+        return self.engine.stop_profile()
 
 
 def _progress_bar(total: int):

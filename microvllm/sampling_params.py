@@ -7,13 +7,13 @@ surfaces as a message about the parameter, not as a NaN deep inside the sampler.
 
 How the sampler uses them, per generated token::
 
-    logits --/temperature--> --top_k--> --top_p--> --min_p--> softmax --> draw
-             (0 = greedy: argmax of the raw logits, every other knob ignored)
+    logits --penalties--> --/temperature--> --top_k--> --top_p--> --min_p--> softmax --> draw
+                          (0 = greedy: argmax of the penalized logits, the other knobs ignored)
 
 How the engine uses the rest: ``max_tokens`` / ``min_tokens`` / ``stop`` /
 ``stop_token_ids`` / ``ignore_eos`` decide when a request ends; ``seed`` gives the
 request its own random generator; ``logprobs`` asks for the top-N log-probabilities
-of every generated token.
+of every generated token, ``prompt_logprobs`` for those of every prompt token.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import numbers
 SAMPLING_EPS = 1e-5
 
 # vLLM options that microvllm does not implement, to say so instead of "unknown".
-VLLM_ONLY_OPTIONS = ("best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
-                     "guided_decoding", "structured_outputs", "output_kind", "detokenize",
+VLLM_ONLY_OPTIONS = ("best_of", "logit_bias", "allowed_token_ids", "bad_words",
+                     "logits_processors", "guided_decoding", "structured_outputs", "output_kind", "detokenize",
                      "spaces_between_special_tokens", "truncate_prompt_tokens")
 
 
@@ -40,6 +39,11 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose probability adds up to at least top_p.
     top_k: keep the k most likely tokens; 0 (or -1) keeps all.
     min_p: drop tokens less likely than min_p times the most likely one.
+    presence_penalty: subtracted from the logit of every token already generated
+        (in [-2, 2]; > 0 favours new tokens, < 0 repetition).
+    frequency_penalty: subtracted once per earlier occurrence in the output (in [-2, 2]).
+    repetition_penalty: a logit of a token seen in the prompt or the output is divided
+        by it if positive, multiplied if negative (> 1 discourages repeats; 1 is off).
     seed: gives the request its own random generator, so that its samples depend on
         nothing else in the batch.
     max_tokens: most tokens to generate (None: until the model's max_model_len).
@@ -48,13 +52,16 @@ class SamplingParams:
     stop_token_ids: token ids that end the output, besides eos.
     ignore_eos: keep generating after eos.
     logprobs: return the log-probabilities of the top-N tokens at each step.
+    prompt_logprobs: return the log-probabilities of each prompt token and the top-N
+        there (the first prompt token has none: nothing predicts it).
     skip_special_tokens: leave special tokens (``<|im_end|>``) out of the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
 
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                  "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-                 "skip_special_tokens", "include_stop_str_in_output")
+                 "skip_special_tokens", "include_stop_str_in_output",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs")
 
     def __init__(self, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
@@ -62,6 +69,8 @@ class SamplingParams:
                  stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,
                  skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 repetition_penalty: float = 1.0, prompt_logprobs: int | None = None,
                  **unknown_kwargs):
         if unknown_kwargs:
             raise TypeError(_unknown_kwargs_message(unknown_kwargs))
@@ -79,6 +88,10 @@ class SamplingParams:
         self.logprobs = logprobs
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.presence_penalty = presence_penalty
+        self.frequency_penalty = frequency_penalty
+        self.repetition_penalty = repetition_penalty
+        self.prompt_logprobs = prompt_logprobs
         self._verify()
         if self.top_k == -1:
             self.top_k = 0  # vLLM's older spelling of "off"; 0 is the one it uses now
@@ -134,11 +147,28 @@ class SamplingParams:
             _check_int("stop_token_ids item", token_id)
             if token_id < 0:
                 raise ValueError(f"stop_token_ids must be token ids >= 0, got {token_id}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if self.logprobs < 0:
-                raise ValueError(f"logprobs must be >= 0 (how many top tokens to return), "
-                                 f"got {self.logprobs}: use None for no logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if value < 0:
+                    raise ValueError(f"{name} must be >= 0 (how many top tokens to return), "
+                                     f"got {value}: use None for no {name}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:  # also False for NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {value}: use 0 to turn it off")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got "
+                             f"{self.repetition_penalty}: use 1.0 to turn it off, e.g. 1.2 to discourage repeats")
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a penalty changes the logits (the sampler then needs the token history)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     def clone(self, **changes) -> "SamplingParams":
         """A validated copy, with ``changes`` applied (the engine gives each sample of an
@@ -196,3 +226,23 @@ def _unknown_kwargs_message(unknown_kwargs: dict) -> str:
         hint = f"did you mean {close[0]!r}?" if close else "check the spelling"
     return (f"SamplingParams got an unknown argument {name!r} ({hint}). "
             f"Valid arguments: {', '.join(SamplingParams.__slots__)}")
+
+
+# generation_config.json keys a model's authors set as its recommended sampling, and
+# the SamplingParams field each becomes (vLLM reads the same ones).
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                          "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                          "max_new_tokens": "max_tokens"}
+
+
+def default_sampling_params(folder) -> SamplingParams:
+    """``SamplingParams`` with the values the folder's generation_config.json sets among
+    ``GENERATION_CONFIG_KEYS``; vLLM's defaults for everything else (and with no file)."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    values = {field: config[key] for key, field in GENERATION_CONFIG_KEYS.items()
+              if config.get(key) is not None}
+    return SamplingParams(**values)

@@ -88,12 +88,26 @@ class Tokenizer:
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True)
         return list(encoded["input_ids"])
 
-    def render_chat_template(self, messages: list[dict[str, str]],
-                             add_generation_prompt: bool = True) -> str:
-        """The chat as the text the template produces (what ``apply_chat_template`` tokenizes)."""
-        self._check_chat_template()
+    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                             chat_template: str | None = None, continue_final_message: bool = False,
+                             chat_template_kwargs: dict | None = None) -> str:
+        """The chat as the text the template produces (what ``apply_chat_template`` tokenizes).
+
+        As vLLM's ``LLM.chat``: ``chat_template`` replaces the model's template;
+        ``continue_final_message`` leaves the last (assistant) message open so the model
+        continues it; ``chat_template_kwargs`` become template variables. A message's
+        content may be OpenAI's list of parts, ``[{"type": "text", "text": "Hi"}]``.
+        """
+        if chat_template is None:
+            self._check_chat_template()
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message, so it cannot also "
+                             "add a generation prompt: pass add_generation_prompt=False")
         return self.hf_tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            [_flatten_content(m) for m in messages], chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False,
+            **(chat_template_kwargs or {}))
 
     def _check_chat_template(self) -> None:
         if not getattr(self.hf_tokenizer, "chat_template", None):
@@ -129,6 +143,25 @@ class Tokenizer:
         name = Path(str(getattr(self.hf_tokenizer, "name_or_path", ""))).name
         return (f"Tokenizer({name!r}, vocab_size={self.vocab_size}, "
                 f"eos_token_ids={sorted(self.eos_token_ids)})")
+
+
+def _flatten_content(message: dict) -> dict:
+    """OpenAI content parts -> one string, as vLLM does for text-only chat templates::
+
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        -> {"role": "user", "content": "a\\nb"}
+    """
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text"):
+            raise ValueError(f"message content part {str(part)[:60]!r}: only text parts "
+                             "({'type': 'text', 'text': ...}) are supported; these models read no images or audio")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _read_eos_token_ids(folder: Path) -> set[int]:

@@ -3,14 +3,14 @@
 A learner reads the package bottom-up; each layer may use only the ones below it::
 
     envs                                     environment variables, cache folders
-    sampling_params trace tokenizer          plain data and text
-      detokenizer core
+    sampling_params inputs trace tokenizer   plain data and text
+      detokenizer core distributed profiler
     attention layers                         attention backends, the model's building blocks
     config                                   EngineConfig (knows backend names)
     models sample                            the models, the loader, the sampler
     platforms                                the hardware: ops' fast versions, C++ kernels
     worker  <  executor  <  engine  <  llm   the request's path, top-down
-    viz checks course bench __main__         tools around the engine
+    viz checks course bench cli __main__     tools around the engine
 
 Every ``import`` counts, including those inside functions (an import deferred to run
 time is still a dependency); only ``if TYPE_CHECKING:`` blocks are left out.
@@ -24,7 +24,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "microvllm"
 LAYERS = [
     {"envs"},
-    {"sampling_params", "trace", "tokenizer", "detokenizer", "core", "csrc"},
+    {"sampling_params", "inputs", "trace", "tokenizer", "detokenizer", "core", "csrc",
+     "distributed", "profiler"},
     {"attention", "layers"},
     {"config"},
     {"models", "sample"},
@@ -33,7 +34,7 @@ LAYERS = [
     {"executor"},
     {"engine"},
     {"llm"},
-    {"viz", "checks", "course", "bench", "__main__", ""},   # "": the package's __init__
+    {"viz", "checks", "course", "bench", "cli", "__main__", ""},   # "": the package's __init__
 ]
 
 

@@ -61,3 +61,60 @@ def test_kernel_sources_ship_with_the_package():
         package = ".".join(source.parent.relative_to(ROOT).parts)
         patterns = declared.get(package, [])
         assert any(source.match(p) for p in patterns), f"{source.name} is not package data of {package}"
+
+
+def test_engine_dependencies_leave_the_course_to_its_extra():
+    engine = {re.split(r"[<>=!;\[ ]", d)[0].lower() for d in PYPROJECT["project"]["dependencies"]}
+    course = {re.split(r"[<>=!;\[ ]", d)[0].lower() for d in PYPROJECT["project"]["optional-dependencies"]["course"]}
+    assert {"jupyterlab", "ipywidgets", "matplotlib", "hypothesis"} <= course
+    assert not engine & course, f"course packages among the engine's dependencies: {engine & course}"
+    # Every place that sets up the course installs the course extra.
+    assert '-e ".[dev,course]"' in (ROOT / "README.md").read_text()
+    assert "-e '.[dev,course]'" in (ROOT / ".ci" / "run").read_text()
+    assert '-e ".[dev,course]"' in (ROOT / "environment.yml").read_text()
+
+
+def test_package_is_typed():
+    assert (ROOT / "microvllm" / "py.typed").exists()
+    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["microvllm"]
+
+
+# None in sys.modules: `import x` raises ImportError and importlib.util.find_spec("x")
+# answers None, exactly as when the package is not installed.
+BLOCK_COURSE_PACKAGES = """
+import sys
+for name in ("matplotlib", "hypothesis", "ipywidgets", "jupyterlab", "IPython"):
+    sys.modules[name] = None
+"""
+
+
+def test_engine_runs_without_the_course_packages(tmp_path):
+    """With matplotlib, hypothesis, ipywidgets, jupyterlab and IPython unimportable, the
+    engine, its CLI parser and the vLLM names still work."""
+    import subprocess
+    import sys
+
+    code = BLOCK_COURSE_PACKAGES + f"""
+from microvllm.models.tiny import make_tiny_model
+from microvllm import LLM, SamplingParams, EngineArgs, LLMEngine
+from microvllm.cli.main import build_parser
+build_parser()
+llm = LLM(str(make_tiny_model({str(tmp_path)!r}, "llama")), max_model_len=64, trace=True)
+print(len(llm.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "3"
+
+
+def test_first_use_conversion_is_announced_through_logging(tmp_path, monkeypatch, caplog):
+    from microvllm.models import default_model
+
+    monkeypatch.setenv("MICROVLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "find_gguf", lambda: tmp_path / default_model.GGUF_NAME)
+    monkeypatch.setattr(default_model, "convert_gguf", lambda gguf, target: None)
+    with caplog.at_level("INFO", logger="microvllm"):
+        default_model.default_model_path()
+    record = next(r for r in caplog.records if "first use only" in r.getMessage())
+    assert record.name == "microvllm.models.default_model"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import statistics
 import sys
@@ -367,6 +368,7 @@ def bench_random(args, model_path: Path, cost: ModelCost, dtype: torch.dtype,
     result, step_times, num_steps = chosen.result, chosen.step_times, chosen.num_steps
     config = llm.engine.config
     _print_row("microvllm", result)
+    report_vllm_style(result, workload, args.output_json)
     if len(pairs) > 1:
         print(f"  the rows above: the pair of median {'ratio' if chosen.static else 'microvllm time'} "
               f"of {len(pairs)} (HF static batch and microvllm timed in turn)")
@@ -576,6 +578,21 @@ def profile_decode(llm, cost: ModelCost, batch: int, args) -> None:
             llm.engine.step()
 
 
+def report_vllm_style(result: RunResult, workload, output_json: str | None) -> None:
+    """vLLM's ``bench throughput`` summary line (and ``--output-json``) for microvllm's run:
+    requests/s, all tokens (prompt + output) per second, output tokens per second."""
+    num_requests = len(workload.prompts)
+    total_tokens = workload.num_prompt_tokens + result.useful_tokens
+    print(f"Throughput: {num_requests / result.wall_s:.2f} requests/s, "
+          f"{total_tokens / result.wall_s:.2f} total tokens/s, "
+          f"{result.useful_tokens / result.wall_s:.2f} output tokens/s")
+    if output_json:
+        Path(output_json).write_text(json.dumps({
+            "elapsed_time": result.wall_s, "num_requests": num_requests,
+            "total_num_tokens": total_tokens, "requests_per_second": num_requests / result.wall_s,
+            "tokens_per_second": total_tokens / result.wall_s}, indent=4) + "\n")
+
+
 # --------------------------------------------------------------------- main
 def _range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("-")
@@ -583,6 +600,12 @@ def _range(text: str) -> tuple[int, int]:
     if not 1 <= low <= high:
         raise argparse.ArgumentTypeError(f"{text!r}: expected MIN-MAX with 1 <= MIN <= MAX")
     return low, high
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return int(text)
 
 
 def _int_list(text: str) -> list[int]:
@@ -606,7 +629,14 @@ def parse_args(argv):
     parser.add_argument("--workload", default="all", choices=["random", "prefix", "all"])
     parser.add_argument("--quick", action="store_true",
                         help="a small version for CI: 4 short requests, no HF one-at-a-time")
-    parser.add_argument("--num-requests", type=int, help="requests per workload (32; quick: 4)")
+    parser.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int,
+                        help="requests per workload (32; quick: 4); --num-prompts is vLLM's name")
+    parser.add_argument("--input-len", type=_positive, metavar="N",
+                        help="vLLM's flag: every prompt N tokens (same as --prompt-lens N-N)")
+    parser.add_argument("--output-len", type=_positive, metavar="N",
+                        help="vLLM's flag: every output N tokens (same as --output-lens N-N)")
+    parser.add_argument("--output-json", metavar="PATH",
+                        help="also write microvllm's throughput as JSON (vLLM's fields)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face at all")
     parser.add_argument("--skip-hf-one-at-a-time", action="store_true",
@@ -635,6 +665,10 @@ def parse_args(argv):
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps at the largest decode batch (torch ops, Python)")
     args = parser.parse_args(argv)
+    if args.input_len is not None:
+        args.prompt_lens = args.prompt_lens or (args.input_len, args.input_len)
+    if args.output_len is not None:
+        args.output_lens = args.output_lens or (args.output_len, args.output_len)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -340,7 +340,14 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block hash; False (nothing changed) while blocks are in use.
+
+        ``reset_running_requests=True`` first preempts every running request (as vLLM
+        does): their blocks are freed, and they are recomputed when scheduled again."""
+        if reset_running_requests:
+            while self.running:  # newest first, so the oldest ends up at the queue's front
+                self._preempt(self.running.pop())
         return self.kv_cache_manager.reset_prefix_cache()
 
     def check_invariants(self) -> None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +40,10 @@ from microvllm.engine.output_processor import OutputProcessor
 from microvllm.engine.prompts import PromptProcessor
 from microvllm.engine.step_tracer import StepTracer
 from microvllm.executor import Executor
+from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
 from microvllm.platforms import get_platform
+from microvllm.profiler import TorchProfiler
 from microvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,7 +62,7 @@ class ProcessedRequest:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_path = _resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model)  # a folder, a cached hub id, or None
         self.platform = get_platform("cpu", enforce_eager=config.enforce_eager)
         self.model_config = load_config(self.model_path)
         # Every default that depends on the model or the platform is settled here, once,
@@ -86,6 +90,7 @@ class Engine:
             self.prompts.tokenizer, component(config, "detokenizer", IncrementalDetokenizer))
         self.tracer = StepTracer(self.scheduler) if config.trace else None
         self.num_steps = 0
+        self.profiler: TorchProfiler | None = None
 
     def _initialize_kv_caches(self) -> int:
         """How many KV blocks: ``num_kv_blocks`` if given, else as many as
@@ -139,11 +144,14 @@ class Engine:
             for child_id in child_ids:
                 self.tracer.add_prompt(child_id, text)
         now = time.monotonic()
+        # Prompt logprobs need every prompt position computed, never read from the
+        # prefix cache: a salt of the request's own makes every first lookup miss.
+        salt = f"prompt_logprobs:{uuid.uuid4().hex}" if params.prompt_logprobs is not None else None
         for index, child_id in enumerate(child_ids):
             self.scheduler.add_request(Request(
                 child_id, token_ids, _child_params(params, index),
                 eos_token_id=self.prompts.eos_token_id, block_size=self.config.block_size,
-                arrival_time=now))
+                arrival_time=now, cache_salt=salt))
 
     def _check_fits(self, request_id: str, token_ids: list[int]) -> None:
         """Raise if this prompt could never run: too long for ``max_model_len`` (with room for
@@ -161,9 +169,12 @@ class Engine:
             raise PoolTooSmallError(request_id, len(token_ids) + 1, num_blocks,
                                     manager.num_usable_blocks, self.config.block_size)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request (all its samples) and free its blocks. Aborting an unknown or
-        already finished id is a no-op that returns False (it may have just finished)."""
+    def abort_request(self, request_id: str | Iterable[str]) -> bool:
+        """Stop a request (all its samples) and free its blocks; ``request_id`` may also be
+        a list of ids (as in vLLM). Aborting an unknown or already finished id is a no-op;
+        returns whether any request was still running (it may have just finished)."""
+        if not isinstance(request_id, str):
+            return any([self.abort_request(one) for one in request_id])  # a list: abort all
         child_ids = self.output_processor.child_ids(request_id)
         if not child_ids:
             return False
@@ -191,7 +202,8 @@ class Engine:
             self.scheduler.undo_failed_step(plan)
             raise
         core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids)
-        outputs, stopped = self.output_processor.process(core_outputs, runner_output.logprobs)
+        outputs, stopped = self.output_processor.process(core_outputs, runner_output.logprobs,
+                                                         runner_output.prompt_logprobs)
         if stopped:  # stop strings, found by the detokenizer
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.tracer is not None:
@@ -212,6 +224,36 @@ class Engine:
     def trace(self):
         return self.tracer.trace if self.tracer is not None else None
 
+    # ------------------------------------------------------ vLLM's surface
+    @classmethod
+    def from_engine_args(cls, engine_args) -> "Engine":
+        """Build an engine from ``EngineArgs`` (vLLM's ``LLMEngine.from_engine_args``)."""
+        return cls(engine_args.create_engine_config())
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer (vLLM's ``get_tokenizer``); None for a folder without one."""
+        return self.prompts.tokenizer.hf_tokenizer if self.prompts.tokenizer is not None else None
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache; see ``Scheduler.reset_prefix_cache``."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def start_profile(self) -> None:
+        """Start a torch.profiler trace (``microvllm/profiler.py`` says where it is written)."""
+        if self.profiler is None:
+            self.profiler = TorchProfiler(self.config.profiler_config)
+        self.profiler.start()
+
+    def stop_profile(self) -> Path:
+        """Stop the trace and write it; returns the file's path."""
+        if self.profiler is None:
+            raise RuntimeError("stop_profile() without start_profile(): start a profile first")
+        return self.profiler.stop()
+
+
+# vLLM's name for the class that runs the step loop.
+LLMEngine = Engine
+
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Sample ``index`` of an ``n > 1`` request: its own seed (seed + index), so the
@@ -219,15 +261,3 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.n == 1:
         return params
     return params.clone(n=1, seed=None if params.seed is None else params.seed + index)
-
-
-def _resolve_model_path(model) -> Path:
-    if model is None:
-        from microvllm.models.default_model import default_model_path
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model={str(model)!r} is not a folder: pass model=None for the "
-                                "embedded default model or the path of a Hugging Face model folder "
-                                "(config.json + *.safetensors; hub names are not downloaded)")
-    return path

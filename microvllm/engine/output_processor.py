@@ -11,6 +11,9 @@ gathers its samples::
 
 A stop string is found here, not in the scheduler (which sees only ids), so the
 processor reports those children back to the engine to be finished.
+
+Logprobs arrive from the runner as lists of ids and numbers (``LogprobsLists``) and
+leave as vLLM's dicts of ``Logprob`` with each token's text (``logprobs_to_dicts``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from microvllm.detokenizer import IncrementalDetokenizer
-from microvllm.engine.outputs import CompletionOutput, RequestOutput
+from microvllm.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from microvllm.sample.logprobs import LogprobsLists
 
 
 @dataclass
@@ -37,6 +41,7 @@ class ParentState:
     params: object
     children: list[ChildState] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     def finished(self) -> bool:
         return all(c.completion.finish_reason is not None for c in self.children)
@@ -44,7 +49,8 @@ class ParentState:
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.completion for c in self.children], finished=self.finished(),
-                             num_cached_tokens=self.num_cached_tokens)
+                             num_cached_tokens=self.num_cached_tokens,
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -78,6 +84,8 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params) -> list[str]:
         parent = ParentState(request_id, prompt, prompt_token_ids, params)
+        if getattr(params, "prompt_logprobs", None) is not None:
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
         ids = sample_ids(request_id, params.n)
         for index, child_id in enumerate(ids):
             detok = None
@@ -93,11 +101,19 @@ class OutputProcessor:
         self.parents[request_id] = parent
         return ids
 
-    def process(self, core_outputs, logprobs: dict) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, core_outputs, logprobs: dict[str, LogprobsLists],
+                prompt_logprobs: dict[str, LogprobsLists] | None = None
+                ) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's new tokens. Returns (outputs of requests that changed,
         child ids that hit a stop string and must be finished by the scheduler)."""
         changed: dict[str, ParentState] = {}
         stopped: list[str] = []
+        for child_id, lists in (prompt_logprobs or {}).items():
+            child = self.children.get(child_id)
+            if child is not None and child.parent.prompt_logprobs is not None:
+                # By position: a recomputed chunk (after preemption) overwrites the same slots.
+                dicts = self.logprobs_to_dicts(lists)
+                child.parent.prompt_logprobs[lists.start:lists.start + len(dicts)] = dicts
         for parent in self.parents.values():
             for child in parent.children:
                 child.completion.delta_text, child.completion.delta_token_ids = "", []
@@ -112,11 +128,11 @@ class OutputProcessor:
             if core.num_cached_tokens and not parent.num_cached_tokens:
                 parent.num_cached_tokens = core.num_cached_tokens
             if completion.logprobs is not None and core.request_id in logprobs:
-                entry = logprobs[core.request_id]
-                completion.logprobs.append(entry)
-                token = new_ids[-1] if new_ids else None
-                if token is not None and token in entry:
-                    completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + entry[token]
+                lists = logprobs[core.request_id]
+                completion.logprobs.extend(self.logprobs_to_dicts(lists))
+                # Column 0 of each row is the sampled token.
+                completion.cumulative_logprob = ((completion.cumulative_logprob or 0.0)
+                                                 + sum(row[0] for row in lists.logprobs))
             if child.detokenizer is not None and new_ids:
                 # finished: release any text held back; stop_terminated: the last token
                 # is an eos/stop token, whose text is not part of the output.
@@ -140,6 +156,17 @@ class OutputProcessor:
             if parent.finished():
                 self._drop(parent)
         return outputs, stopped
+
+    def logprobs_to_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
+        """vLLM's form: per row ``{token id: Logprob}``, the row's own token first (its
+        rank as computed), then the top N (ranks 1..N)."""
+        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) \
+            if self.tokenizer is not None else (lambda t: None)
+        dicts = []
+        for ids, values, rank in zip(lists.logprob_token_ids, lists.logprobs, lists.ranks):
+            ranks = [rank, *range(1, len(ids))]
+            dicts.append({t: Logprob(v, r, decode(t)) for t, v, r in zip(ids, values, ranks)})
+        return dicts
 
     def abort(self, request_id: str) -> RequestOutput | None:
         parent = self.parents.get(request_id)

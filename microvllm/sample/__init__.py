@@ -3,8 +3,8 @@
     metadata.py           SamplingParams of a step -> batched tensors (+ make_generator)
     sampler.py            Sampler: greedy / random paths, logprobs -> SamplerOutput
     topk_topp_sampler.py  top-k, top-p, min-p filters and the seeded random draw
-    penalties.py          min_tokens: ban eos / stop ids until enough tokens
-    logprobs.py           raw log-probabilities of the top-N and the sampled token
+    penalties.py          min_tokens; repetition / frequency / presence penalties
+    logprobs.py           raw log-probabilities of the top-N and the sampled token; prompt logprobs
 """
 
 from microvllm.sample.logprobs import LogprobsTensors

@@ -12,6 +12,17 @@ For N requested logprobs each row gets N + 1 columns, the sampled token first::
 
 A batch is gathered once with the largest N any of its requests asked for; the
 engine keeps the first ``params.logprobs`` top columns of each request's row.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``) come from the same hidden
+states, one row per prompt position whose *next* token is also in the prompt::
+
+    prompt           t0    t1    t2    t3          (4 tokens)
+    logits at        p0    p1    p2    p3
+    predicts         t1    t2    t3    (first output token: that is the sample)
+    prompt_logprobs  None  {t1}  {t2}  {t3}        t0 has none: nothing predicts it
+
+With chunked prefill a prompt arrives in pieces, so each chunk yields the rows of
+its own positions, with ``start`` saying which prompt token the first row is for.
 """
 
 from __future__ import annotations
@@ -33,6 +44,18 @@ class LogprobsTensors:
                 self.selected_token_ranks.tolist())
 
 
+@dataclass(frozen=True)
+class LogprobsLists:
+    """Logprobs of consecutive positions of one request, as Python lists, one row per
+    position: column 0 is the token actually there (sampled, or the prompt's), then
+    the top N. ``start``: the position of the first row (prompt logprobs)."""
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]                    # rank of each row's column-0 token, 1 = most likely
+    start: int = 0
+
+
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """log p(token) for every token of every row: ``log_softmax`` over the vocabulary."""
     return logits.log_softmax(dim=-1, dtype=torch.float32)
@@ -51,3 +74,22 @@ def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
         logprobs=torch.cat([token_logprobs, top_logprobs], dim=-1),
         selected_token_ranks=ranks,
     )
+
+
+def prompt_logprobs_of_chunk(compute_logits, hidden: torch.Tensor, token_ids: list[int],
+                             num_prompt_tokens: int, start: int, num_tokens: int,
+                             num_logprobs: int) -> LogprobsLists | None:
+    """Prompt logprobs of the chunk ``positions [start, start + num_tokens)`` of one request.
+
+    ``hidden``: the chunk's hidden states, one row per position; ``compute_logits``:
+    the model's head. Position p's logits score prompt token p + 1, so only positions
+    before the last prompt token count (the last one predicts the first output).
+    None when the chunk has no such position (a decode, or the prompt's last token).
+    """
+    end = min(start + num_tokens, num_prompt_tokens - 1)
+    if end <= start:
+        return None
+    logprobs = compute_logprobs(compute_logits(hidden[:end - start]).float())
+    targets = torch.tensor(token_ids[start + 1:end + 1], dtype=torch.long)
+    ids, values, ranks = gather_logprobs(logprobs, num_logprobs, targets).tolists()
+    return LogprobsLists(ids, values, ranks, start=start + 1)

@@ -10,6 +10,8 @@ loop over rows, so the per-request ``SamplingParams`` become one column each::
     top_k          [0,          50,                   0  ]   (0 = off)
     top_p          [1.0,        1.0,                  0.9]   (1.0 = off)
     generators     {                                  2: C's own torch.Generator}
+    presence_penalties / frequency_penalties / repetition_penalties: one column each
+                   (0 / 0 / 1 = off), with each row's prompt and output token ids
 
 A filter whose column is all "off" is left out (None) so that the sampler skips it.
 
@@ -49,6 +51,8 @@ class SamplingMetadata:
     ``max_num_logprobs`` is the largest ``logprobs`` asked for in the batch (None:
     nobody asked). ``min_tokens_banned_ids`` maps a row that has produced fewer than
     ``min_tokens`` tokens to the ids it must not sample yet (eos, stop_token_ids).
+    The penalty columns are None when no row has a penalty; otherwise
+    ``prompt_token_ids`` / ``output_token_ids`` hold each row's token history.
     """
 
     temperature: torch.Tensor                  # [num_reqs] float32
@@ -60,12 +64,19 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: int | None = None
     min_tokens_banned_ids: dict[int, set[int]] = field(default_factory=dict)
+    presence_penalties: torch.Tensor | None = None   # [num_reqs] float32, 0.0 = off
+    frequency_penalties: torch.Tensor | None = None  # [num_reqs] float32, 0.0 = off
+    repetition_penalties: torch.Tensor | None = None  # [num_reqs] float32, 1.0 = off
+    prompt_token_ids: list[list[int]] | None = None
+    output_token_ids: list[list[int]] | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams],
                     generators: list[torch.Generator | None] | None = None, *,
                     num_output_tokens: list[int] | None = None,
                     eos_token_ids: set[int] | frozenset[int] = frozenset(),
+                    token_ids: list[list[int]] | None = None,
+                    num_prompt_tokens: list[int] | None = None,
                     device: str | torch.device = "cpu") -> "SamplingMetadata":
         """Batch the parameters of this step's requests, in row order.
 
@@ -73,6 +84,8 @@ class SamplingMetadata:
         num_output_tokens[i]: tokens request i has generated so far (for min_tokens).
         eos_token_ids: the model's eos ids, banned with stop_token_ids before min_tokens
             (unless the request sets ignore_eos).
+        token_ids[i], num_prompt_tokens[i]: request i's prompt + output ids so far and
+            where its prompt ends (read only when a request has a penalty).
         """
         num_reqs = len(params)
         generators = generators if generators is not None else [None] * num_reqs
@@ -97,6 +110,20 @@ class SamplingMetadata:
                     if ids:
                         banned[row] = ids
 
+        penalties = {}
+        if any(p.has_penalties for p in params):
+            if token_ids is None or num_prompt_tokens is None:
+                raise ValueError("a request has a presence, frequency or repetition penalty: pass "
+                                 "token_ids= and num_prompt_tokens= (each request's history)")
+            # Penalties apply to greedy rows too, so every row gets its value here.
+            penalties = dict(
+                presence_penalties=torch.tensor([float(p.presence_penalty) for p in params], device=device),
+                frequency_penalties=torch.tensor([float(p.frequency_penalty) for p in params], device=device),
+                repetition_penalties=torch.tensor([float(p.repetition_penalty) for p in params],
+                                                  device=device),
+                prompt_token_ids=[ids[:n] for ids, n in zip(token_ids, num_prompt_tokens)],
+                output_token_ids=[ids[n:] for ids, n in zip(token_ids, num_prompt_tokens)])
+
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
@@ -109,6 +136,7 @@ class SamplingMetadata:
                         if g is not None and not greedy[row]},
             max_num_logprobs=max(asked) if asked else None,
             min_tokens_banned_ids=banned,
+            **penalties,
         )
 
     @property

@@ -2,6 +2,7 @@
 
     logits [num_reqs, vocab] ──┬─> log_softmax ──────────────────────────> logprobs (raw)
                                └─> min_tokens: ban eos/stop ids
+                                   -> repetition / frequency / presence penalties
                                       ├─> argmax ─────────────────────────> greedy rows
                                       └─> / temperature -> top_k -> top_p
                                           -> min_p -> softmax -> draw ────> random rows
@@ -22,7 +23,7 @@ from torch import nn
 from microvllm.layers.custom_op import CustomOp
 from microvllm.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from microvllm.sample.metadata import SamplingMetadata, make_generator
-from microvllm.sample.penalties import apply_min_tokens_penalty
+from microvllm.sample.penalties import apply_min_tokens_penalty, apply_penalties
 from microvllm.sample.topk_topp_sampler import apply_min_p, apply_top_k, apply_top_p, random_sample
 from microvllm.sampling_params import SAMPLING_EPS
 
@@ -66,6 +67,10 @@ class Sampler(nn.Module):
         if sampling_metadata.min_tokens_banned_ids:
             logits = logits.clone()  # the caller's logits stay untouched
             apply_min_tokens_penalty(logits, sampling_metadata.min_tokens_banned_ids.items())
+        if sampling_metadata.repetition_penalties is not None:
+            m = sampling_metadata  # penalties change greedy rows too, as in vLLM
+            logits = apply_penalties(logits, m.prompt_token_ids, m.output_token_ids,
+                                     m.presence_penalties, m.frequency_penalties, m.repetition_penalties)
 
         sampled = self.sample(logits, sampling_metadata)
 

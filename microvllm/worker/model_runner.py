@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from microvllm.attention.metadata import AttentionMetadata
+from microvllm.sample.logprobs import LogprobsLists, prompt_logprobs_of_chunk
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.sampler import Sampler
 from microvllm.worker.block_table import BlockTable
@@ -47,7 +48,8 @@ class CachedRequestState:
 class ModelRunnerOutput:
     req_ids: list[str]                                   # requests that got a new token
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, object] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)          # one row each
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)   # this chunk's rows
 
 
 class ModelRunner:
@@ -173,27 +175,48 @@ class ModelRunner:
         req_ids, states, input_ids, positions, metadata, sampling, logits_indices = \
             self._prepare_inputs(plan)
         hidden = self.run_model(input_ids, positions, metadata)
+        prompt_logprobs = self._prompt_logprobs(req_ids, states, hidden, metadata[0], plan)
         for state, req_id in zip(states, req_ids):
             state.num_computed_tokens += plan.num_scheduled_tokens[req_id]
         if not sampling:
-            return ModelRunnerOutput([], {})
+            return ModelRunnerOutput([], {}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         sampled_states = [states[i] for i in sampling]
         sampling_metadata = SamplingMetadata.from_params(
             [s.sampling_params for s in sampled_states],
             [s.generator for s in sampled_states],
             num_output_tokens=[s.num_output_tokens for s in sampled_states],
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids,
+            token_ids=[s.token_ids for s in sampled_states],  # for penalties
+            num_prompt_tokens=[s.num_prompt_tokens for s in sampled_states])
         out = self.sampler(logits, sampling_metadata)
         tokens = out.sampled_token_ids.tolist()
-        result = ModelRunnerOutput(req_ids=[s.req_id for s in sampled_states], sampled_token_ids={})
+        result = ModelRunnerOutput(req_ids=[s.req_id for s in sampled_states], sampled_token_ids={},
+                                   prompt_logprobs=prompt_logprobs)
         for state, token in zip(sampled_states, tokens):
             state.token_ids.append(token)
             result.sampled_token_ids[state.req_id] = [token]
         if out.logprobs_tensors is not None:
-            ids, logprobs, _ = out.logprobs_tensors.tolists()
+            ids, logprobs, ranks = out.logprobs_tensors.tolists()
             for row, state in enumerate(sampled_states):
                 n = state.sampling_params.logprobs
                 if n is not None:  # column 0 is the sampled token, then the top n
-                    result.logprobs[state.req_id] = dict(zip(ids[row][:n + 1], logprobs[row][:n + 1]))
+                    result.logprobs[state.req_id] = LogprobsLists(
+                        [ids[row][:n + 1]], [logprobs[row][:n + 1]], [ranks[row]])
+        return result
+
+    def _prompt_logprobs(self, req_ids, states, hidden, metadata, plan) -> dict[str, LogprobsLists]:
+        """Prompt logprobs of the requests that asked (``SamplingParams.prompt_logprobs``)."""
+        result = {}
+        for i, (req_id, state) in enumerate(zip(req_ids, states)):
+            num_logprobs = getattr(state.sampling_params, "prompt_logprobs", None)
+            if num_logprobs is None:
+                continue
+            first_row = metadata.query_start_loc_cpu[i]
+            lists = prompt_logprobs_of_chunk(
+                self.model.compute_logits, hidden[first_row:metadata.query_start_loc_cpu[i + 1]],
+                state.token_ids, state.num_prompt_tokens, state.num_computed_tokens,
+                plan.num_scheduled_tokens[req_id], num_logprobs)
+            if lists is not None:
+                result[req_id] = lists
         return result

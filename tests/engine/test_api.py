@@ -70,9 +70,11 @@ def test_logprobs(llm):
     for token, entry in zip(out.token_ids, out.logprobs):
         # The sampled token plus the top 2; greedy, so the sampled one IS the top-1 (2 entries).
         assert token in entry and len(entry) == 2
-        assert max(entry, key=entry.get) == token
-        assert all(v <= 0 for v in entry.values())
-    assert math.isclose(out.cumulative_logprob, sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+        assert max(entry, key=lambda t: entry[t].logprob) == token
+        assert entry[token].rank == 1
+        assert all(v.logprob <= 0 for v in entry.values())
+    assert math.isclose(out.cumulative_logprob,
+                        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 
 def test_stop_string_trims_and_frees(llm):

@@ -238,8 +238,16 @@ SETTING_CASES = {
                                   ["attention_backend='flash'", "'torch'"], True),
     "attention_backend None": (dict(attention_backend=None), TypeError, ["attention_backend=none", "'torch'"], True),
     "seed float": (dict(seed=0.5), TypeError, ["seed=0.5", "int"], True),
-    "vLLM-only option": (dict(gpu_memory_utilization=0.9), TypeError,
-                         ["'gpu_memory_utilization'", "remove it", "num_kv_blocks"], True),
+    "vLLM-only option": (dict(quantization="awq"), TypeError,
+                         ["'quantization'", "vllm option that microvllm does not implement", "remove it",
+                          "num_kv_blocks"], True),
+    "gpu_memory_utilization out of range": (dict(gpu_memory_utilization=1.5), ValueError,
+                                            ["gpu_memory_utilization=1.5", "(0, 1]"], True),
+    "trust_remote_code": (dict(trust_remote_code=True), ValueError,
+                          ["trust_remote_code=true", "never runs code", "remove trust_remote_code"], True),
+    "tensor parallel": (dict(tensor_parallel_size=2), ValueError,
+                        ["tensor_parallel_size=2", "not implemented yet", "tensor_parallel_size=1"], True),
+    "separate tokenizer": (dict(tokenizer="gpt2"), ValueError, ["tokenizer='gpt2'", "remove tokenizer="], True),
     "option typo": (dict(num_kv_block=8), TypeError, ["'num_kv_block'", "did you mean 'num_kv_blocks'"], True),
 }
 

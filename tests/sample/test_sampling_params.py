@@ -80,8 +80,32 @@ def test_unknown_argument_suggests_the_right_one():
 
 
 def test_unsupported_vllm_option_is_named():
-    with pytest.raises(TypeError, match="'repetition_penalty'.*vLLM option.*not implement"):
-        SamplingParams(repetition_penalty=1.1)
+    with pytest.raises(TypeError, match="'logit_bias'.*vLLM option.*not implement"):
+        SamplingParams(logit_bias={1: 2.0})
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"presence_penalty": 2.5}, ["presence_penalty", "[-2, 2]", "2.5"]),
+    ({"frequency_penalty": -3}, ["frequency_penalty", "[-2, 2]"]),
+    ({"frequency_penalty": math.nan}, ["frequency_penalty", "nan"]),
+    ({"repetition_penalty": 0.0}, ["repetition_penalty", "> 0", "1.0 to turn it off"]),
+    ({"repetition_penalty": math.inf}, ["repetition_penalty", "finite"]),
+    ({"prompt_logprobs": -1}, ["prompt_logprobs", ">= 0"]),
+])
+def test_penalty_and_prompt_logprobs_ranges(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_penalties_are_vllm_fields():
+    p = SamplingParams(presence_penalty=0.2, frequency_penalty=-0.1, repetition_penalty=1.3,
+                       prompt_logprobs=2)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.prompt_logprobs) == \
+        (0.2, -0.1, 1.3, 2)
+    assert p.has_penalties and not SamplingParams().has_penalties
+    assert p.clone(n=2).repetition_penalty == 1.3
 
 
 def test_only_n_may_be_positional():

@@ -16,7 +16,7 @@ from torch import nn
 
 from microvllm.sample.logprobs import compute_logprobs, gather_logprobs
 from microvllm.sample.metadata import SamplingMetadata, make_generator
-from microvllm.sample.penalties import apply_min_tokens_penalty
+from microvllm.sample.penalties import apply_min_tokens_penalty, apply_penalties
 from microvllm.sample.sampler import Argmax, SamplerOutput
 from microvllm.sample.topk_topp_sampler import apply_min_p
 from microvllm.sampling_params import SAMPLING_EPS

@@ -1,0 +1,116 @@
+"""``microvllm generate | bench | serve`` (also ``python -m microvllm ...``).
+
+    microvllm generate "The capital of France is" --max-tokens 24 [--chat] [engine flags]
+    microvllm bench throughput [--quick] [--num-prompts N --input-len L --output-len L]
+    microvllm bench attention               (needs a CUDA GPU)
+    microvllm serve                         (not implemented yet: issue 22)
+    microvllm --version
+
+``microvllm course build|check`` (regenerate and check the exercises) is reachable
+too, but left out of the help: it is for the course's maintainers.
+
+A mistake in the arguments prints one line of usage and one line of error and exits
+with status 2; so does a setting the engine refuses (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from microvllm.cli.parser import FlexibleArgumentParser
+
+SUBCOMMANDS = "{generate,bench,serve}"  # the ones the help lists ("course" is hidden)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from microvllm import __version__
+    from microvllm.engine.arg_utils import EngineArgs
+
+    parser = FlexibleArgumentParser(prog="microvllm", description=__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"microvllm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar=SUBCOMMANDS)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt (embedded model by default)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--trace", metavar="OUT.json", default=None, help="record the step trace to a file")
+    EngineArgs.add_cli_args(gen.add_argument_group("engine arguments"))
+
+    bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench attention")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,attention}")
+    # Listed here for the help; main() hands the line to their own parsers.
+    for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
+                       ("attention", "attention kernels (needs a CUDA GPU)")):
+        one = which.add_parser(name, help=text, add_help=False)
+        one.add_argument("args", nargs=argparse.REMAINDER)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (not implemented yet)")
+    serve.add_argument("args", nargs=argparse.REMAINDER)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Commands with parsers of their own get the rest of the line untouched (argparse's
+    # REMAINDER would not pass on a leading --help).
+    if argv[:1] == ["course"]:
+        from microvllm.course.build import main as course_main
+        return course_main(argv[1:])
+    parser = build_parser()
+    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["attention"]):
+        if argv[1] == "throughput":
+            from microvllm.bench.throughput import main as bench_main
+        else:
+            from microvllm.bench.attention import main as bench_main
+        return _without_traceback(parser, bench_main, argv[2:])
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        print("microvllm: error: serve is not implemented yet (issue 22); use LLM() or "
+              "`microvllm generate` for offline generation", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return _without_traceback(parser, _generate, args)
+
+
+def _without_traceback(parser, command, args) -> int:
+    """Run ``command(args)``; a setting the engine refuses (a missing model folder, a
+    value out of range) exits 2 with its message, which says what to change."""
+    try:
+        return command(args)
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as error:
+        parser.exit(2, f"microvllm: error: {error}\n")
+
+
+def _generate(args) -> int:
+    from microvllm import LLM, EngineArgs, SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.trace = args.trace is not None
+    llm = LLM(**vars(engine_args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - start
+    completion = out.outputs[0]
+    print(args.prompt + completion.text if not args.chat else completion.text)
+    print(f"[{len(out.prompt_token_ids)} prompt + {len(completion.token_ids)} generated tokens in "
+          f"{elapsed:.2f} s: {len(completion.token_ids) / elapsed:.1f} tokens/s, "
+          f"finish_reason={completion.finish_reason}]", file=sys.stderr)
+    if args.trace:
+        llm.trace.save(args.trace)
+        print(f"[trace of {len(llm.trace)} steps written to {args.trace}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,193 @@
+"""``EngineArgs``: every engine setting in one dataclass, as vLLM's ``vllm.engine.arg_utils``.
+
+The same settings reach the engine three ways, all through this class::
+
+    LLM(model, max_num_seqs=8, ...)           keyword arguments   -> EngineArgs(...)
+    --max-num-seqs 8 on a command line        EngineArgs.add_cli_args / from_cli_args
+    LLMEngine.from_engine_args(engine_args)   the engine itself
+                        |
+                        v
+    engine_args.create_engine_config()  ->  EngineConfig (validated, microvllm's own)
+
+``create_engine_config`` is where vLLM options that mean something else on one CPU
+process are translated (each says what it does in one log line) or refused with a
+reason: ``tensor_parallel_size``, ``gpu_memory_utilization``, ``trust_remote_code``,
+``tokenizer``, ``disable_log_stats``, ``dtype="auto"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from microvllm.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# vLLM's spellings of a dtype; "auto" is the CPU's native float32 (the checkpoint's
+# bfloat16 would be slower on CPUs without AMX, and the parity tests run in float32).
+DTYPE_ALIASES = {"auto": "float32", "float": "float32", "half": "float16"}
+
+# vLLM engine options that microvllm does not implement: named as such, not "unknown".
+VLLM_ONLY_ENGINE_OPTIONS = (
+    "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "quantization",
+    "kv_cache_dtype", "swap_space", "cpu_offload_gb", "load_format", "download_dir", "revision",
+    "tokenizer_revision", "code_revision", "tokenizer_mode", "hf_overrides", "hf_token",
+    "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "enable_sleep_mode",
+    "compilation_config", "max_seq_len_to_capture", "num_gpu_blocks_override", "max_logprobs",
+    "limit_mm_per_prompt", "mm_processor_kwargs", "task", "runner", "served_model_name",
+    "override_generation_config", "structured_outputs_config", "guided_decoding_backend",
+    "kv_transfer_config", "worker_cls", "logits_processors", "scheduling_policy",
+    "async_scheduling", "enable_expert_parallel", "disable_custom_all_reduce", "rope_scaling",
+    "allowed_local_media_path", "seed_everything",
+)
+
+
+def _cli(help: str, **extra) -> dict:
+    return {"help": help, **extra}
+
+
+@dataclass
+class EngineArgs:
+    """The engine's settings (vLLM's names where vLLM has the setting).
+
+    Fields whose metadata says ``cli=False`` (dicts, classes) are keyword-only: they
+    have no command-line flag.
+    """
+
+    model: str | None = field(default=None, metadata=_cli(
+        "a Hugging Face model folder, or a hub id found in the local Hugging Face cache "
+        "(never downloaded); default: the embedded SmolLM2-135M-Instruct"))
+    tokenizer: str | None = field(default=None, metadata=_cli(
+        "must be None or the model itself: the model folder's tokenizer is used"))
+    trust_remote_code: bool = field(default=False, metadata=_cli(
+        "refused when true: microvllm runs only its own model code"))
+    dtype: str = field(default="auto", metadata=_cli(
+        "float32, bfloat16 or float16; auto = float32 on a CPU"))
+    seed: int = field(default=0, metadata=_cli("seed of the shared sampling generator"))
+    max_model_len: int | None = field(default=None, metadata=_cli(
+        "longest prompt + output in tokens (default: the model's max_position_embeddings)"))
+    block_size: int = field(default=16, metadata=_cli("tokens per KV cache block (a power of two)"))
+    num_kv_blocks: int | None = field(default=None, metadata=_cli(
+        "KV cache blocks (default: sized from kv_cache_memory_bytes)"))
+    kv_cache_memory_bytes: int = field(default=DEFAULT_KV_CACHE_BYTES, metadata=_cli(
+        "KV cache budget in bytes when num_kv_blocks is not given"))
+    gpu_memory_utilization: float | None = field(default=None, metadata=_cli(
+        "on a CPU: the fraction of kv_cache_memory_bytes (1 GiB by default) the KV cache may use"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_cli(
+        "token budget of one engine step"))
+    max_num_seqs: int = field(default=64, metadata=_cli("most requests in one step"))
+    enable_prefix_caching: bool = field(default=True, metadata=_cli("reuse the KV of shared prompt prefixes"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_cli(
+        "split long prompts over several steps"))
+    attention_backend: str = field(default="auto", metadata=_cli(
+        "attention backend name: auto, torch, cpu, triton, ..."))
+    tensor_parallel_size: int = field(default=1, metadata=_cli(
+        "only 1: tensor parallelism is not implemented yet"))
+    enforce_eager: bool = field(default=False, metadata=_cli(
+        "run the plain model code the notebooks show: no C++ kernels, no packed weights, "
+        "no decode fast path (same tokens, slower)"))
+    disable_log_stats: bool = field(default=False, metadata=_cli(
+        "accepted for vLLM scripts: microvllm logs no periodic stats"))
+    generation_config: str = field(default="auto", metadata=_cli(
+        "where get_default_sampling_params() reads defaults: auto (the model's "
+        "generation_config.json), vllm (SamplingParams()), or a folder"))
+    trace: bool = field(default=False, metadata=_cli("record every engine step (llm.trace)", cli=False))
+    debug_invariants: bool = field(default=False, metadata=_cli(
+        "check the block pool and scheduler after every step (slow)", cli=False))
+    profiler_config: dict | None = field(default=None, metadata=_cli(
+        "vLLM's {'profiler': 'torch', 'torch_profiler_dir': ...} for start_profile()", cli=False))
+    components: dict[str, type] | None = field(default=None, metadata=_cli(
+        "replace engine components with your classes (the course's exercises)", cli=False))
+
+    # ---------------------------------------------------------------- CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one ``--flag`` per setting (``--max-num-seqs``, ``--enable-prefix-caching`` /
+        ``--no-enable-prefix-caching``, ...); returns ``parser`` as vLLM's does."""
+        hints = typing.get_type_hints(EngineArgs)
+        for f in dataclasses.fields(EngineArgs):
+            if not f.metadata.get("cli", True):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=f.metadata["help"])
+            else:
+                base = next(t for t in (typing.get_args(kind) or (kind,)) if t is not type(None))
+                parser.add_argument(flag, type=base, default=f.default, help=f.metadata["help"],
+                                    metavar=f.name.upper() if base is str else None)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The settings found in parsed ``args`` (other attributes are ignored)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                      if hasattr(args, f.name)})
+
+    # ------------------------------------------------------------- config
+    def create_engine_config(self) -> EngineConfig:
+        """Translate vLLM's options for one CPU process, then build a validated ``EngineConfig``."""
+        values: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)
+                                  if hasattr(self, f.name)}
+        values["dtype"] = self._resolve_dtype()
+        values["kv_cache_memory_bytes"] = self._kv_cache_budget()
+        self._check_process_options()
+        return EngineConfig(**values)
+
+    def _resolve_dtype(self):
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if self.dtype != dtype:
+            logger.info("dtype=%r: using %s, the CPU's native precision", self.dtype, dtype)
+        return dtype
+
+    def _kv_cache_budget(self) -> int:
+        fraction = self.gpu_memory_utilization
+        if fraction is None:
+            return self.kv_cache_memory_bytes
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization={fraction!r} must be a fraction in (0, 1], "
+                             "e.g. 0.5 for half of the KV cache budget")
+        budget = int(fraction * self.kv_cache_memory_bytes)
+        logger.info("gpu_memory_utilization=%s: no GPU here; the KV cache may use %s of "
+                    "kv_cache_memory_bytes = %.0f MiB", fraction, fraction, budget / 2**20)
+        return max(budget, 1)
+
+    def _check_process_options(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r}: tensor parallelism is "
+                             "not implemented yet; use tensor_parallel_size=1 (one process)")
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code=True: microvllm never runs code from a model folder; "
+                             "it runs its own Llama, Mistral and Qwen3 code. Remove trust_remote_code")
+        if self.tokenizer is not None and (self.model is None or
+                                           Path(str(self.tokenizer)) != Path(str(self.model))):
+            raise ValueError(f"tokenizer={self.tokenizer!r}: microvllm uses the tokenizer in the model "
+                             "folder; remove tokenizer= (or copy its files into the model folder)")
+        if self.disable_log_stats:
+            logger.info("disable_log_stats=True: microvllm logs no periodic stats; nothing to turn off")
+
+
+def check_engine_options(options: dict) -> None:
+    """Refuse an unknown keyword of ``LLM()`` with a message that says what it is: a
+    vLLM option microvllm does not implement, or a typo (with the closest name)."""
+    import difflib
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(options) - known)
+    if not unknown:
+        return
+    name = unknown[0]
+    if name in VLLM_ONLY_ENGINE_OPTIONS:
+        hint = "a vLLM option that microvllm does not implement"
+    else:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "not a vLLM or microvllm option: a typo?"
+    raise TypeError(f"LLM() got an unknown argument {name!r} ({hint}): remove it. "
+                    f"Valid arguments: {', '.join(sorted(known))}")

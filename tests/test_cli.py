@@ -1,0 +1,91 @@
+"""The ``microvllm`` command: subcommands with their own help, --version, one-line
+errors, vLLM's flags and summary line for ``bench throughput``, a hidden ``course``."""
+
+import json
+import re
+
+import pytest
+
+from microvllm import __version__
+from microvllm.cli.main import main
+from microvllm.models.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("cli") / "llama", "llama", seed=7)
+
+
+def run(capsys, *argv):
+    """(exit status, stdout, stderr) of ``microvllm *argv`` run in this process."""
+    try:
+        status = main(list(argv))
+    except SystemExit as exit_:
+        status = exit_.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_help_lists_user_commands_only(capsys):
+    status, out, _ = run(capsys, "--help")
+    assert status == 0
+    assert "{generate,bench,serve}" in out and "course" not in out.split("positional arguments")[1]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "--help"], ["--max-tokens", "--max-num-seqs", "--enable-prefix-caching"]),
+    (["bench", "--help"], ["throughput", "attention"]),
+    (["bench", "throughput", "--help"], ["--num-prompts", "--input-len", "--output-len", "--output-json"]),
+    (["course", "--help"], ["build", "check"]),  # hidden, yet reachable
+])
+def test_each_command_has_help(capsys, argv, words):
+    status, out, _ = run(capsys, *argv)
+    assert status == 0
+    for word in words:
+        assert word in out
+
+
+def test_version(capsys):
+    status, out, _ = run(capsys, "--version")
+    assert status == 0 and out.strip() == f"microvllm {__version__}"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+    (["generate"], ["the following arguments are required: prompt"]),
+    (["generate", "hi", "--max-num-seqs", "many"], ["--max-num-seqs", "invalid int value"]),
+    (["generate", "hi", "--max-num-seqs", "0"], ["max_num_seqs=0 must be at least 1"]),
+    (["generate", "hi", "--model", "/no/such/folder"], ["/no/such/folder", "is not a folder"]),
+    (["generate", "hi", "--tensor-parallel-size", "2"], ["tensor parallelism is not implemented"]),
+    (["bench", "throughput", "--input-len", "0"], ["--input-len", "expected a whole number >= 1"]),
+    (["serve"], ["not implemented yet (issue 22)"]),
+])
+def test_bad_arguments_give_one_error_line_and_status_2(capsys, argv, words):
+    status, _, err = run(capsys, *argv)
+    assert status == 2
+    error_lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word in error_lines[0]
+
+
+def test_generate_with_engine_flags(capsys, tiny_llama):
+    status, out, err = run(capsys, "generate", "hello there", "--model", str(tiny_llama),
+                           "--max-tokens", "5", "--max_num_seqs", "4", "--dtype", "auto")
+    assert status == 0 and out.startswith("hello there")
+    assert "5 generated tokens" in err
+
+
+def test_bench_throughput_vllm_flags_line_and_json(capsys, tiny_llama, tmp_path):
+    report = tmp_path / "throughput.json"
+    status, out, _ = run(capsys, "bench", "throughput", "--quick", "--skip-hf", "--workload", "random",
+                         "--threads", "1", "--model", str(tiny_llama), "--num-prompts", "3",
+                         "--input-len", "12", "--output-len", "5", "--output-json", str(report))
+    assert status == 0
+    assert "workload: 3 requests, prompts 12-12, outputs 5-5" in out
+    line = re.search(r"^Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s$",
+                     out, re.MULTILINE)
+    assert line, out
+    data = json.loads(report.read_text())
+    assert data["num_requests"] == 3 and data["total_num_tokens"] == 3 * (12 + 5)
+    assert data["requests_per_second"] == pytest.approx(float(line[1]), rel=0.01)
