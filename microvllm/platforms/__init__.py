@@ -35,7 +35,7 @@ def resolve_device(device: str, cuda_available: bool) -> str:
     if device == "auto":
         return "cuda" if cuda_available else "cpu"
     if device == "cuda" and not cuda_available:
-        raise RuntimeError("device='cuda' but torch sees no CUDA GPU here (torch.cuda.is_available() "
+        raise ValueError("device='cuda' but torch sees no CUDA GPU here (torch.cuda.is_available() "
                            "is False): use device='cpu' or 'auto', or install a CUDA build of torch "
                            "on a machine with an NVIDIA GPU (on Colab: Runtime > Change runtime type > GPU)")
     return device

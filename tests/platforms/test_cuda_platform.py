@@ -23,7 +23,7 @@ def test_resolve_device(device, cuda_available, expected):
 
 
 def test_cuda_without_a_gpu_says_what_to_change():
-    with pytest.raises(RuntimeError, match="device='cpu' or 'auto'"):
+    with pytest.raises(ValueError, match="device='cpu' or 'auto'"):
         resolve_device("cuda", cuda_available=False)
     with pytest.raises(ValueError, match="choose one of"):
         resolve_device("tpu", cuda_available=True)
@@ -31,8 +31,18 @@ def test_cuda_without_a_gpu_says_what_to_change():
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
 def test_llm_on_cuda_without_a_gpu_is_refused(tiny_models):
-    with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
+    with pytest.raises(ValueError, match="torch.cuda.is_available"):
         LLM(str(tiny_models["llama"]), device="cuda", max_model_len=64)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
+def test_cli_refuses_cuda_without_a_gpu_in_one_line(tiny_models, capsys):
+    from microvllm.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--model", str(tiny_models["llama"]), "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "device='cuda'" in err and "Traceback" not in err
 
 
 def test_unknown_device_is_refused_at_the_door():
