@@ -12,11 +12,7 @@ cached, and two decodes)::
     logits_indices   [3, 4, 5]    last row of each request whose next token is due
 
 A request whose chunk does not reach its last known token (a partial prefill) is
-in the batch but gets no logits and no sample.
-
-The inputs are built on the CPU (Python lists, the persistent block tables) and then
-moved to the platform's ``device`` in one copy each (on a CPU, ``.to`` is a no-op);
-the model, the KV cache, the logits and the sampler's generators live there. The runner keeps its own copy of each
+in the batch but gets no logits and no sample. The runner keeps its own copy of each
 request's tokens and block table between steps (``CachedRequestState``,
 ``BlockTable``), so the scheduler only sends what changed.
 """
@@ -60,10 +56,8 @@ class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], *, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
                  seed: int, sampler_class: type[Sampler] = Sampler,
-                 block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None,
-                 device: torch.device | str = "cpu"):
-        self.model = model
-        self.device = torch.device(device)
+                 block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None, device="cpu"):
+        self.model, self.device = model, torch.device(device)  # device: see _to_device
         # The platform's runner for decode-only steps (the CPU's decode fast path; CUDA
         # graphs on a GPU), or None (enforce_eager=True, or none applies here).
         self.decode_step_runner = decode_step_runner
@@ -71,8 +65,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        # its generator serves requests without a seed
-        self.sampler = sampler_class(seed) if self.device.type == "cpu" else sampler_class(seed, device=self.device)
+        self.sampler = sampler_class(seed)  # its generator serves requests without a seed
         self.requests: dict[str, CachedRequestState] = {}
         max_blocks = -(-max_model_len // block_size)
         self.block_tables = [block_table_class(max_num_seqs, max_blocks, block_size)
@@ -93,7 +86,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
-                generator=make_generator(seed, self.device) if seed is not None else None,
+                generator=make_generator(seed) if seed is not None else None,
                 num_computed_tokens=new.num_computed_tokens)
             for table, ids in zip(self.block_tables, new.block_ids):
                 table.add_request(new.req_id, list(ids))
@@ -146,23 +139,20 @@ class ModelRunner:
         seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int32)
         max_blocks = -(-max(seq_lens_cpu) // self.block_size)
         qsl_cpu = query_start_loc.tolist()
-        device = self.device  # the CPU-built tensors go there in one copy each (no-op on a CPU)
         metadata = []
         for table in self.block_tables:
             batch_table = table.gather(req_ids, max_blocks)
-            slot_mapping = table.slot_mapping(batch_table, request_index, positions)
             metadata.append(AttentionMetadata(
                 num_actual_tokens=num_tokens, max_query_len=max(num_scheduled),
-                max_seq_len=max(seq_lens_cpu), query_start_loc=query_start_loc.to(device),
-                seq_lens=seq_lens.to(device), block_table=batch_table.to(device),
-                slot_mapping=slot_mapping.to(device),
+                max_seq_len=max(seq_lens_cpu), query_start_loc=query_start_loc, seq_lens=seq_lens,
+                block_table=batch_table,
+                slot_mapping=table.slot_mapping(batch_table, request_index, positions),
                 query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu, num_decodes=num_decodes))
 
         # Only requests whose chunk reaches their last known token sample a new one.
         sampling = [i for i, (s, n) in enumerate(zip(seq_lens_cpu, states)) if s == len(n.token_ids)]
         logits_indices = torch.tensor([qsl_cpu[i + 1] - 1 for i in sampling], dtype=torch.long)
-        return (req_ids, states, input_ids.to(device), positions.to(device), metadata, sampling,
-                logits_indices.to(device))
+        return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
         ### END SOLUTION
 
     # ------------------------------------------------------------------ step
@@ -183,7 +173,7 @@ class ModelRunner:
         if plan.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {})
         req_ids, states, input_ids, positions, metadata, sampling, logits_indices = \
-            self._prepare_inputs(plan)
+            self._to_device(*self._prepare_inputs(plan))
         hidden = self.run_model(input_ids, positions, metadata)
         prompt_logprobs = self._prompt_logprobs(req_ids, states, hidden, metadata[0], plan)
         for state, req_id in zip(states, req_ids):
@@ -198,8 +188,7 @@ class ModelRunner:
             num_output_tokens=[s.num_output_tokens for s in sampled_states],
             eos_token_ids=self.eos_token_ids,
             token_ids=[s.token_ids for s in sampled_states],  # for penalties
-            num_prompt_tokens=[s.num_prompt_tokens for s in sampled_states],
-            device=logits.device)
+            num_prompt_tokens=[s.num_prompt_tokens for s in sampled_states])
         out = self.sampler(logits, sampling_metadata)
         tokens = out.sampled_token_ids.tolist()
         result = ModelRunnerOutput(req_ids=[s.req_id for s in sampled_states], sampled_token_ids={},
@@ -231,3 +220,22 @@ class ModelRunner:
             if lists is not None:
                 result[req_id] = lists
         return result
+
+    def _to_device(self, req_ids, states, input_ids, positions, metadata: list[AttentionMetadata],
+                   sampling, logits_indices):
+        """``_prepare_inputs``'s result, as it is on a CPU. Off the CPU: the step's inputs,
+        built on the CPU, copied to the model's device (as vLLM copies its CPU-built inputs
+        to the GPU), and a new seeded request's generator made there (sampling noise is
+        drawn where the logits are). The host lists (``query_start_loc_cpu``,
+        ``seq_lens_cpu``) stay on the CPU."""
+        if self.device.type == "cpu":
+            return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
+        for state in states:
+            if state.generator is not None and state.generator.device != self.device:
+                # Not drawn from yet: _update_states made it this step, from the seed.
+                state.generator = make_generator(state.sampling_params.seed, self.device)
+        for m in metadata:
+            m.query_start_loc, m.seq_lens = m.query_start_loc.to(self.device), m.seq_lens.to(self.device)
+            m.block_table, m.slot_mapping = m.block_table.to(self.device), m.slot_mapping.to(self.device)
+        return (req_ids, states, input_ids.to(self.device), positions.to(self.device), metadata,
+                sampling, logits_indices.to(self.device))

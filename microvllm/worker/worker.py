@@ -20,6 +20,7 @@ from microvllm.attention.selector import get_attention_backend
 from microvllm.config import component, resolve_dtype
 from microvllm.models.loader import load_model
 from microvllm.platforms import Platform
+from microvllm.sample.on_device import place_sampler_on
 from microvllm.sample.sampler import Sampler
 from microvllm.worker.block_table import BlockTable
 from microvllm.worker.gpu_memory import MemoryProfile
@@ -78,6 +79,8 @@ class Worker:
                 self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len),
             # (only off the CPU: an exercise's ModelRunner need not know about devices)
             **({"device": self.platform.device} if self.platform.device.type != "cpu" else {}))
+        if self.platform.device.type != "cpu":
+            place_sampler_on(self.model_runner.sampler, self.platform.device, config.seed)
         self.platform.process_weights_after_loading(self.model_runner.sampler)
 
     def execute_model(self, scheduler_output):
