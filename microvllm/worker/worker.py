@@ -34,8 +34,14 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype)
         self.backend = get_attention_backend(config.attention_backend)
         on_gpu = platform.device.type == "cuda"
-        # Read before anything of ours is on the GPU: memory others hold is not ours to use.
+        # Read before anything of ours is on the GPU: memory others hold is not ours to use
+        # (empty_cache first: blocks torch keeps cached from freed tensors count as free).
+        if on_gpu:
+            torch.cuda.empty_cache()
         self.free_bytes_at_start = torch.cuda.mem_get_info()[0] if on_gpu else None
+        # (another engine in this process already counts in neither: it is not free, and
+        # the peak below is measured from what was allocated before this one started)
+        self.allocated_bytes_at_start = torch.cuda.memory_allocated() if on_gpu else 0
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         self.model, self.hf_config = load_model(model_path, self.backend, dtype=config.dtype,
@@ -58,7 +64,7 @@ class Worker:
                     block_size=config.block_size, num_kv_heads=attn.num_kv_heads,
                     head_dim=attn.head_dim, dtype=self.dtype, device=self.platform.device)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - self.allocated_bytes_at_start
         torch.cuda.empty_cache()
         return MemoryProfile(total_bytes=torch.cuda.mem_get_info()[1],
                              free_bytes_at_start=self.free_bytes_at_start, peak_bytes=peak)

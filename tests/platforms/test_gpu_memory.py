@@ -51,3 +51,26 @@ def test_profile_run_runs_the_largest_batch(tiny_models):
     logits = profile_run(model, num_tokens=48, max_num_seqs=8, max_model_len=32, block_size=16,
                          num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, dtype=torch.float32)
     assert logits.shape == (8, config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_engine_sizes_the_cache_from_gpu_readings_with_the_cpu_log_line(tiny_models, monkeypatch, caplog):
+    """The engine's CUDA branch, with the platform said to be CUDA and the readings faked."""
+    import logging
+    from types import SimpleNamespace
+
+    from microvllm import LLM
+
+    engine = LLM(str(tiny_models["llama"]), device="cpu", max_model_len=64, max_num_seqs=4).engine
+    per_block = engine.executor.kv_cache_bytes_per_block()
+    allocated = []
+    monkeypatch.setattr(engine, "platform", SimpleNamespace(device=torch.device("cuda")))
+    monkeypatch.setattr(engine.executor, "initialize_kv_cache", allocated.append)
+    engine.config.num_kv_blocks, engine.config.gpu_memory_utilization = None, 0.5
+    readings = MemoryProfile(total_bytes=0, free_bytes_at_start=2 * 10 * per_block, peak_bytes=3 * per_block)
+    monkeypatch.setattr(engine.executor, "profile_memory", lambda: readings)
+    with caplog.at_level(logging.INFO, logger="microvllm"):
+        assert engine._initialize_kv_caches() == 7 == allocated[0]   # 10 blocks' worth - 3
+    assert any(m.startswith("KV cache: 7 blocks x 16 tokens") for m in caplog.messages)
+    # Never more than max_num_seqs full-length requests could use: 4 x 4 blocks + the null block.
+    readings = MemoryProfile(total_bytes=0, free_bytes_at_start=10**6 * per_block, peak_bytes=0)
+    assert engine._initialize_kv_caches() == 17
