@@ -12,9 +12,9 @@ Three decodes padded to the captured size 4 (block_size 16, null block = block 0
     row                 0     1     2   | 3        <- padding row
     input_ids          [17,   93,   5,  | 0 ]
     positions          [40,   3,    17, | 0 ]
-    slot_mapping       [7*16+8, 4*16+3, 9*16+1, | -1]   -1: write_kv stores nothing
+    slot_mapping       [5*16+8, 4*16+3, 9*16+1, | -1]   -1: write_kv stores nothing
     seq_lens           [41,   4,    18, | 1 ]
-    block_table        [[2 7 0 ..], [4 0 ..], [3 9 0 ..], | [0 0 ..]]   null block
+    block_table        [[2 7 5 ..], [4 0 ..], [3 9 0 ..], | [0 0 ..]]   null block
     query_start_loc    [0, 1, 2, 3, | 4]          one query row each, always arange
 
 What the Triton kernels do with a padding row: ``write_kv`` returns at once for slot
