@@ -231,7 +231,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
         for state in states:
-            if state.generator is not None and state.generator.device != self.device:
+            if state.generator is not None and state.generator.device.type != self.device.type:
                 # Not drawn from yet: _update_states made it this step, from the seed.
                 state.generator = make_generator(state.sampling_params.seed, self.device)
         for m in metadata:
