@@ -44,12 +44,13 @@ def greedy(llm, prompts, lengths):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_decode_steps_replay_padded_graphs_with_the_same_tokens(tiny_models):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
+def test_decode_steps_replay_padded_graphs_with_the_same_tokens(tiny_models, arch):
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20] * 17]
     lengths = [3, 6, 9]  # the batch shrinks 3 -> 2 -> 1 as requests finish
-    eager = greedy(triton_llm(tiny_models["llama"], enforce_eager=True), prompts, lengths)
+    eager = greedy(triton_llm(tiny_models[arch], enforce_eager=True), prompts, lengths)
 
-    llm = triton_llm(tiny_models["llama"])
+    llm = triton_llm(tiny_models[arch])
     runner = llm.engine.executor.worker.model_runner
     wrapper = runner.decode_step_runner = CUDAGraphWrapper(
         runner.model, [1, 2, 4, 8], max_model_len=64, graph_factory=PlainCallGraph)
