@@ -15,6 +15,8 @@ from microvllm.attention.selector import AUTO, available_backends
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache when num_kv_blocks is not given
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -45,6 +47,12 @@ class EngineConfig:
     no compiled kernel, no packed weights, no decode fast path (vLLM's name: there it
     turns CUDA graphs off). Same greedy tokens, slower."""
     dtype: str = "float32"
+    """A name in ``DTYPES``, or ``"auto"``: the platform's (float32 on a CPU, bfloat16 on CUDA)."""
+    device: str = "auto"
+    """``"cpu"``, ``"cuda"``, or ``"auto"``: CUDA where ``torch.cuda.is_available()``."""
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    """On CUDA: the fraction of the GPU's free memory this engine may use (weights,
+    activations and KV cache); the KV cache gets what the rest leaves. Unused on a CPU."""
     seed: int = 0
     trace: bool = False
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -82,8 +90,13 @@ class EngineConfig:
                 raise ValueError(
                     f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than one block "
                     f"(block_size={self.block_size}): raise it to at least {self.block_size}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is not supported; choose one of {DEVICES}")
+        fraction = self.gpu_memory_utilization
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization={fraction!r} must be a fraction in (0, 1], e.g. 0.9")
         if not isinstance(self.attention_backend, str):
             raise TypeError(f"attention_backend={self.attention_backend!r} must be a backend name such as 'torch'")
         if self.attention_backend != AUTO and self.attention_backend not in available_backends():
@@ -104,11 +117,14 @@ class EngineConfig:
                 f"(a prompt is scheduled whole), but {self.max_num_batched_tokens} < {self.max_model_len}: "
                 "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
 
-    def finalize(self, max_position_embeddings: int, attention_backend: str) -> None:
-        """Fill the defaults that depend on the model and the platform (the backend that
-        ``"auto"`` became), then check the combination. The engine calls it once, before
-        anything is built from the config."""
+    def finalize(self, max_position_embeddings: int, attention_backend: str,
+                 device: str | None = None, dtype: str | None = None) -> None:
+        """Fill the defaults that depend on the model and the platform (what ``"auto"``
+        became for the backend, the device and the dtype), then check the combination.
+        The engine calls it once, before anything is built from the config."""
         self.attention_backend = attention_backend
+        self.device = device or self.device
+        self.dtype = dtype or self.dtype
         if self.max_model_len is None:
             self.max_model_len = max_position_embeddings
         elif self.max_model_len > max_position_embeddings:

@@ -19,6 +19,9 @@ class Executor:
     def kv_cache_bytes_per_block(self) -> int:
         return self.worker.kv_cache_bytes_per_block()
 
+    def profile_memory(self):
+        return self.worker.profile_memory()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 

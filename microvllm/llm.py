@@ -33,15 +33,20 @@ class LLM:
         block_size: tokens per KV cache block (a power of two; 16).
         num_kv_blocks: KV cache blocks; default: as many as ``kv_cache_memory_bytes``
             (1 GiB) holds, capped at what ``max_num_seqs`` full-length requests could use.
-        gpu_memory_utilization: no GPU here: the fraction of ``kv_cache_memory_bytes``
-            the KV cache may use (vLLM's 0.4 gives 0.4 GiB).
+        device: ``"auto"`` (CUDA where ``torch.cuda.is_available()``, else the CPU),
+            ``"cpu"`` or ``"cuda"``.
+        gpu_memory_utilization: on CUDA, vLLM's meaning: the fraction of the GPU's free
+            memory the engine may use (0.9); the KV cache gets what weights and the
+            largest batch leave. On a CPU: the fraction of ``kv_cache_memory_bytes`` the
+            KV cache may use (vLLM's 0.4 gives 0.4 GiB).
         max_num_batched_tokens: token budget of one engine step (chunked prefill).
         max_num_seqs: most requests in one step (64).
         max_model_len: longest prompt + output (default: the model's maximum).
         enable_prefix_caching / enable_chunked_prefill: on by default, as in vLLM V1.
-        attention_backend: ``"auto"`` (the C++ CPU kernel where it builds, else
-            ``"torch"``), or a registered name such as ``"triton"``.
-        dtype: ``"auto"`` (float32 on a CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        attention_backend: ``"auto"`` (on a CPU the C++ kernel where it builds, else
+            ``"torch"``; on CUDA ``"triton"``), or a registered name such as ``"triton"``.
+        dtype: ``"auto"`` (float32 on a CPU, bfloat16 on CUDA), ``"float32"``,
+            ``"bfloat16"``, ``"float16"``.
         seed: seed of the sampling generator shared by requests without their own seed.
         generation_config: ``"auto"`` (``get_default_sampling_params`` reads the model's
             generation_config.json), ``"vllm"`` (plain ``SamplingParams()``) or a folder.

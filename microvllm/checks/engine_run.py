@@ -80,6 +80,9 @@ def generate(components=None, *, prompts=None, max_tokens: int = 12, arch: str =
     from microvllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # float32 on a GPU too (dtype="auto" would be bfloat16 there): yours and the reference
+    # may use different kernels, and only float32 keeps their greedy tokens comparable.
+    settings.setdefault("dtype", "float32")
     with _quiet():
         llm = LLM(str(tiny_model_folder(arch)), components=components, **settings)
         outputs = llm.generate(list(prompts or PROMPTS), params, use_tqdm=False)

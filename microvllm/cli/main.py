@@ -3,6 +3,7 @@
     microvllm generate "The capital of France is" --max-tokens 24 [--chat] [engine flags]
     microvllm bench throughput [--quick] [--num-prompts N --input-len L --output-len L]
     microvllm bench attention               (needs a CUDA GPU)
+    microvllm bench gpu                     the engine on a CUDA GPU: correctness and speed
     microvllm serve                         (not implemented yet: issue 22)
     microvllm --version
 
@@ -45,11 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trace", metavar="OUT.json", default=None, help="record the step trace to a file")
     EngineArgs.add_cli_args(gen.add_argument_group("engine arguments"))
 
-    bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench attention")
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,attention}")
+    bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench attention | bench gpu")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,attention,gpu}")
     # Listed here for the help; main() hands the line to their own parsers.
     for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
-                       ("attention", "attention kernels (needs a CUDA GPU)")):
+                       ("attention", "attention kernels (needs a CUDA GPU)"),
+                       ("gpu", "the engine on a CUDA GPU: tokens vs the CPU, kernels, speed")):
         one = which.add_parser(name, help=text, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -67,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         from microvllm.course.build import main as course_main
         return course_main(argv[1:])
     parser = build_parser()
-    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["attention"]):
+    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["attention"], ["gpu"]):
         if argv[1] == "throughput":
             from microvllm.bench.throughput import main as bench_main
+        elif argv[1] == "gpu":
+            from microvllm.bench.gpu import main as bench_main
         else:
             from microvllm.bench.attention import main as bench_main
         return _without_traceback(parser, bench_main, argv[2:])

@@ -29,9 +29,9 @@ from microvllm.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 
 logger = logging.getLogger(__name__)
 
-# vLLM's spellings of a dtype; "auto" is the CPU's native float32 (the checkpoint's
-# bfloat16 would be slower on CPUs without AMX, and the parity tests run in float32).
-DTYPE_ALIASES = {"auto": "float32", "float": "float32", "half": "float16"}
+# vLLM's spellings of a dtype. "auto" stays "auto": the platform settles it (float32 on a
+# CPU, where bfloat16 is slower without AMX and the parity tests run; bfloat16 on CUDA).
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 # vLLM engine options that microvllm does not implement: named as such, not "unknown".
 VLLM_ONLY_ENGINE_OPTIONS = (
@@ -68,7 +68,9 @@ class EngineArgs:
     trust_remote_code: bool = field(default=False, metadata=_cli(
         "refused when true: microvllm runs only its own model code"))
     dtype: str = field(default="auto", metadata=_cli(
-        "float32, bfloat16 or float16; auto = float32 on a CPU"))
+        "float32, bfloat16 or float16; auto = float32 on a CPU, bfloat16 on CUDA"))
+    device: str = field(default="auto", metadata=_cli(
+        "cpu, cuda, or auto (cuda where torch.cuda.is_available())"))
     seed: int = field(default=0, metadata=_cli("seed of the shared sampling generator"))
     max_model_len: int | None = field(default=None, metadata=_cli(
         "longest prompt + output in tokens (default: the model's max_position_embeddings)"))
@@ -78,7 +80,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int = field(default=DEFAULT_KV_CACHE_BYTES, metadata=_cli(
         "KV cache budget in bytes when num_kv_blocks is not given"))
     gpu_memory_utilization: float | None = field(default=None, metadata=_cli(
-        "on a CPU: the fraction of kv_cache_memory_bytes (1 GiB by default) the KV cache may use"))
+        "on CUDA: the fraction of free GPU memory the engine may use (default 0.9); on a CPU: "
+        "the fraction of kv_cache_memory_bytes (1 GiB by default) the KV cache may use"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_cli(
         "token budget of one engine step"))
     max_num_seqs: int = field(default=64, metadata=_cli("most requests in one step"))
@@ -137,23 +140,38 @@ class EngineArgs:
         values: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)
                                   if hasattr(self, f.name)}
         values["dtype"] = self._resolve_dtype()
-        values["kv_cache_memory_bytes"] = self._kv_cache_budget()
+        values.pop("gpu_memory_utilization")  # None here: EngineConfig's default (0.9)
+        if self._on_gpu():
+            self._check_fraction()
+            if self.gpu_memory_utilization is not None:
+                values["gpu_memory_utilization"] = self.gpu_memory_utilization
+        else:
+            values["kv_cache_memory_bytes"] = self._kv_cache_budget()
         self._check_process_options()
         return EngineConfig(**values)
 
     def _resolve_dtype(self):
-        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
-        if self.dtype != dtype:
-            logger.info("dtype=%r: using %s, the CPU's native precision", self.dtype, dtype)
-        return dtype
+        return DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+
+    def _on_gpu(self) -> bool:
+        """Will the engine run on CUDA? (``device="cuda"`` without a GPU fails later, in
+        ``get_platform``, with what to change.)"""
+        import torch
+
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
+    def _check_fraction(self) -> None:
+        fraction = self.gpu_memory_utilization
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):
+            raise ValueError(f"gpu_memory_utilization={fraction!r} must be a fraction in (0, 1], "
+                             "e.g. 0.5 for half of the KV cache budget")
 
     def _kv_cache_budget(self) -> int:
         fraction = self.gpu_memory_utilization
         if fraction is None:
             return self.kv_cache_memory_bytes
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"gpu_memory_utilization={fraction!r} must be a fraction in (0, 1], "
-                             "e.g. 0.5 for half of the KV cache budget")
+        self._check_fraction()
         budget = int(fraction * self.kv_cache_memory_bytes)
         logger.info("gpu_memory_utilization=%s: no GPU here; the KV cache may use %s of "
                     "kv_cache_memory_bytes = %.0f MiB", fraction, fraction, budget / 2**20)

@@ -45,6 +45,7 @@ from microvllm.models.loader import load_config
 from microvllm.platforms import get_platform
 from microvllm.profiler import TorchProfiler
 from microvllm.sampling_params import SamplingParams
+from microvllm.worker.gpu_memory import num_gpu_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +64,17 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_path = resolve_model_path(config.model)  # a folder, a cached hub id, or None
-        self.platform = get_platform("cpu", enforce_eager=config.enforce_eager)
+        self.platform = get_platform(config.device, enforce_eager=config.enforce_eager)
         self.model_config = load_config(self.model_path)
         # Every default that depends on the model or the platform is settled here, once,
         # before anything is built from the config.
+        dtype = self.platform.resolve_dtype(config.dtype)
+        if dtype != config.dtype:
+            logger.info("dtype=%r: using %s, the %s platform's native precision",
+                        config.dtype, dtype, self.platform.name)
         config.finalize(self.model_config.max_position_embeddings,
-                        self.platform.resolve_attention_backend(config.attention_backend))
+                        self.platform.resolve_attention_backend(config.attention_backend),
+                        device=self.platform.device.type, dtype=dtype)
         self.prompts = PromptProcessor.from_model_folder(self.model_path)
         self.prompts.vocab_size = self.model_config.vocab_size
         self.executor = Executor(config, self.model_path, self.prompts.eos_token_ids, self.platform)
@@ -93,17 +99,24 @@ class Engine:
         self.profiler: TorchProfiler | None = None
 
     def _initialize_kv_caches(self) -> int:
-        """How many KV blocks: ``num_kv_blocks`` if given, else as many as
-        ``kv_cache_memory_bytes`` holds, but no more than could ever be used. The executor
-        then allocates them (vLLM: ``EngineCore._initialize_kv_caches``)."""
+        """How many KV blocks: ``num_kv_blocks`` if given, else as many as fit (on a CPU in
+        ``kv_cache_memory_bytes``; on a GPU in ``gpu_memory_utilization`` of its free
+        memory, less the profiling pass's peak: ``worker/gpu_memory.py``), but no more than
+        could ever be used. The executor then allocates them (vLLM:
+        ``EngineCore._initialize_kv_caches``)."""
         config = self.config
         per_block = self.executor.kv_cache_bytes_per_block()
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
+            if self.platform.device.type == "cuda":
+                fits = num_gpu_blocks(self.executor.profile_memory(), config.gpu_memory_utilization,
+                                      per_block)
+            else:
+                fits = config.kv_cache_memory_bytes // per_block
             # No more than max_num_seqs requests of max_model_len tokens could ever use
             # (+1: the null block); a tiny model would otherwise get ~100k blocks.
             most_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
-            num_blocks = max(2, min(config.kv_cache_memory_bytes // per_block, most_useful))
+            num_blocks = max(2, min(fits, most_useful))
             logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", num_blocks,
                         config.block_size, (num_blocks - 1) * config.block_size,
                         num_blocks * per_block / 2**20, resolve_dtype(config.dtype))

@@ -4,6 +4,7 @@ The engine picks a platform once (``get_platform``) and asks it four things; the
 its layers and the sampler are plain, device-agnostic torch and never ask::
 
     device                           where weights, KV cache and inputs live
+    default_dtype                    what dtype="auto" becomes
     default_attention_backend()      what attention_backend="auto" becomes
     process_weights_after_loading()  hand each CustomOp the platform's version, once
     decode_step_runner(model)        what runs a decode-only step instead of the model
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 class Platform:
     name = "generic"
     device = torch.device("cpu")
+    default_dtype = "float32"
+    """What ``dtype="auto"`` becomes here."""
 
     def __init__(self, enforce_eager: bool = False):
         self.enforce_eager = enforce_eager
@@ -47,6 +50,10 @@ class Platform:
         self.check_attention_backend(name)
         return name
 
+    def resolve_dtype(self, dtype: str) -> str:
+        """``"auto"`` -> this platform's ``default_dtype``; any other name is returned."""
+        return self.default_dtype if dtype == "auto" else dtype
+
     def op_version(self, op: CustomOp) -> Callable | None:
         """This platform's version of ``op`` (same arguments and results as its
         ``forward_native``), or None to run ``forward_native``."""
@@ -64,9 +71,11 @@ class Platform:
         if chosen:
             logger.debug("%s platform: ops run %s", self.name, chosen)
 
-    def decode_step_runner(self, model: nn.Module) -> Callable | None:
+    def decode_step_runner(self, model: nn.Module, *, max_num_seqs: int = 1,
+                           max_model_len: int | None = None) -> Callable | None:
         """What runs a decode-only step in the model's place (same arguments and result as
-        ``model.forward``, with an ``applies(num_tokens, attn_metadata)`` test), or None."""
+        ``model.forward``, with an ``applies(num_tokens, attn_metadata)`` test), or None.
+        ``max_num_seqs``, ``max_model_len``: the largest decode batch and sequence it will see."""
         return None
 
     def describe(self) -> str:

@@ -90,6 +90,6 @@ def prompt_logprobs_of_chunk(compute_logits, hidden: torch.Tensor, token_ids: li
     if end <= start:
         return None
     logprobs = compute_logprobs(compute_logits(hidden[:end - start]).float())
-    targets = torch.tensor(token_ids[start + 1:end + 1], dtype=torch.long)
+    targets = torch.tensor(token_ids[start + 1:end + 1], dtype=torch.long, device=logprobs.device)
     ids, values, ranks = gather_logprobs(logprobs, num_logprobs, targets).tolists()
     return LogprobsLists(ids, values, ranks, start=start + 1)

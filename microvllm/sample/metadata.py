@@ -23,6 +23,8 @@ request arrives), so its random stream continues from step to step.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import torch
@@ -142,3 +144,11 @@ class SamplingMetadata:
     @property
     def num_reqs(self) -> int:
         return self.temperature.shape[0]
+
+    def to(self, device: torch.device | str) -> "SamplingMetadata":
+        """A copy whose tensors are on ``device`` (the generators stay: each is made on
+        the device it draws for). Returns ``self`` when nothing moves."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)
+                 and getattr(self, f.name).device != torch.device(device)}
+        return dataclasses.replace(self, **moved) if moved else self

@@ -56,8 +56,8 @@ class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], *, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
                  seed: int, sampler_class: type[Sampler] = Sampler,
-                 block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None):
-        self.model = model
+                 block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None, device="cpu"):
+        self.model, self.device = model, torch.device(device)  # device: see _to_device
         # The platform's runner for decode-only steps (the CPU's decode fast path; CUDA
         # graphs on a GPU), or None (enforce_eager=True, or none applies here).
         self.decode_step_runner = decode_step_runner
@@ -173,7 +173,7 @@ class ModelRunner:
         if plan.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {})
         req_ids, states, input_ids, positions, metadata, sampling, logits_indices = \
-            self._prepare_inputs(plan)
+            self._to_device(*self._prepare_inputs(plan))
         hidden = self.run_model(input_ids, positions, metadata)
         prompt_logprobs = self._prompt_logprobs(req_ids, states, hidden, metadata[0], plan)
         for state, req_id in zip(states, req_ids):
@@ -220,3 +220,22 @@ class ModelRunner:
             if lists is not None:
                 result[req_id] = lists
         return result
+
+    def _to_device(self, req_ids, states, input_ids, positions, metadata: list[AttentionMetadata],
+                   sampling, logits_indices):
+        """``_prepare_inputs``'s result, as it is on a CPU. Off the CPU: the step's inputs,
+        built on the CPU, copied to the model's device (as vLLM copies its CPU-built inputs
+        to the GPU), and a new seeded request's generator made there (sampling noise is
+        drawn where the logits are). The host lists (``query_start_loc_cpu``,
+        ``seq_lens_cpu``) stay on the CPU."""
+        if self.device.type == "cpu":
+            return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
+        for state in states:
+            if state.generator is not None and state.generator.device.type != self.device.type:
+                # Not drawn from yet: _update_states made it this step, from the seed.
+                state.generator = make_generator(state.sampling_params.seed, self.device)
+        for m in metadata:
+            m.query_start_loc, m.seq_lens = m.query_start_loc.to(self.device), m.seq_lens.to(self.device)
+            m.block_table, m.slot_mapping = m.block_table.to(self.device), m.slot_mapping.to(self.device)
+        return (req_ids, states, input_ids.to(self.device), positions.to(self.device), metadata,
+                sampling, logits_indices.to(self.device))

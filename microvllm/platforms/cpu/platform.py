@@ -60,7 +60,7 @@ class CpuPlatform(Platform):
                 return functools.partial(getattr(ops, version), op)
         return None
 
-    def decode_step_runner(self, model: nn.Module) -> Callable | None:
+    def decode_step_runner(self, model: nn.Module, **limits) -> Callable | None:
         if self.enforce_eager:
             return None
         reason = decode_fast_path.unsupported_reason(model)
