@@ -58,7 +58,8 @@ def test_version(capsys):
     (["generate", "hi", "--model", "/no/such/folder"], ["/no/such/folder", "is not a folder"]),
     (["generate", "hi", "--tensor-parallel-size", "2"], ["tensor parallelism is not implemented"]),
     (["bench", "throughput", "--input-len", "0"], ["--input-len", "expected a whole number >= 1"]),
-    (["serve"], ["not implemented yet (issue 22)"]),
+    (["serve", "/no/such/folder"], ["/no/such/folder", "is not a folder"]),
+    (["serve", "--port", "http"], ["--port", "invalid int value"]),
 ])
 def test_bad_arguments_give_one_error_line_and_status_2(capsys, argv, words):
     status, _, err = run(capsys, *argv)

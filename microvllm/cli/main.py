@@ -3,7 +3,8 @@
     microvllm generate "The capital of France is" --max-tokens 24 [--chat] [engine flags]
     microvllm bench throughput [--quick] [--num-prompts N --input-len L --output-len L]
     microvllm bench attention               (needs a CUDA GPU)
-    microvllm serve                         (not implemented yet: issue 22)
+    microvllm serve [MODEL] --port 8000 [engine flags]     OpenAI-compatible server
+    microvllm bench serve --port 8000 --request-rate 4      load test a running server
     microvllm --version
 
 ``microvllm course build|check`` (regenerate and check the exercises) is reachable
@@ -21,6 +22,7 @@ import sys
 import time
 
 from microvllm.cli.parser import FlexibleArgumentParser
+from microvllm.cli.serve import add_serve_args
 
 SUBCOMMANDS = "{generate,bench,serve}"  # the ones the help lists ("course" is hidden)
 
@@ -53,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         one = which.add_parser(name, help=text, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER)
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible server (not implemented yet)")
-    serve.add_argument("args", nargs=argparse.REMAINDER)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(serve)
 
     return parser
 
@@ -74,11 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             from microvllm.bench.attention import main as bench_main
         return _without_traceback(parser, bench_main, argv[2:])
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        print("microvllm: error: serve is not implemented yet (issue 22); use LLM() or "
-              "`microvllm generate` for offline generation", file=sys.stderr)
-        return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from microvllm.entrypoints.openai.api_server import run_server
+        return _without_traceback(parser, run_server, args)
     return _without_traceback(parser, _generate, args)
 
 

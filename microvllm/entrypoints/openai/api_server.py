@@ -1,0 +1,145 @@
+"""``microvllm serve``: an OpenAI-compatible HTTP server on FastAPI + uvicorn
+(vLLM: ``entrypoints/openai/api_server.py``).
+
+    microvllm serve [MODEL] --host 127.0.0.1 --port 8000 [engine flags]
+
+    GET  /health                200 while the engine runs, 503 once it failed
+    GET  /v1/models             the one served model
+    POST /v1/completions        prompt(s) -> text         (stream=true: server-sent events)
+    POST /v1/chat/completions   messages  -> a reply      (stream=true: server-sent events)
+    GET  /metrics               Prometheus text: queue sizes, KV usage, TTFT, ITL, tokens
+
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: a
+bad field or malformed JSON is a 400 that names the field; an unknown model a 404.
+SIGTERM (or Ctrl-C): uvicorn stops accepting, gives open streams a few seconds to
+finish, then the engine aborts what is left and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from microvllm.engine.arg_utils import EngineArgs
+from microvllm.engine.async_llm import AsyncLLM, EngineDeadError
+from microvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo,
+                                                   ErrorResponse, ModelCard, ModelList)
+from microvllm.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def bad_request(error: Exception, fields) -> JSONResponse:
+    """HTTP 400 with the engine's message; ``param`` is the field it starts with."""
+    message = str(error)
+    first = re.match(r"[\w.]+", message)
+    param = first.group(0) if first and first.group(0) in fields else None
+    return error_response(400, message, "BadRequestError", param)
+
+
+def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
+    """The FastAPI app serving ``engine`` under ``model_name``."""
+    serving = OpenAIServing(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.shutdown()   # after uvicorn stopped serving: abort what is left, stop the thread
+
+    app = FastAPI(title="microvllm", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON in the request body: {first.get('msg')}",
+                                  "BadRequestError")
+        param = ".".join(location) or None
+        return error_response(400, f"{param or 'request body'}: {first.get('msg', 'invalid')}",
+                              "BadRequestError", param)
+
+    def unknown_model(name: str | None) -> JSONResponse | None:
+        if name is None or name == model_name:
+            return None
+        return error_response(404, f"The model `{name}` does not exist: this server serves `{model_name}`.",
+                              "NotFoundError", "model")
+
+    async def respond(request, create):
+        if (missing := unknown_model(request.model)) is not None:
+            return missing
+        if not engine.is_running:
+            return error_response(503, "the engine is not running", "ServiceUnavailableError")
+        try:
+            result = await create(request)
+        except (ValueError, TypeError) as error:
+            return bad_request(error, type(request).model_fields)
+        except EngineDeadError as error:
+            return error_response(503, str(error), "ServiceUnavailableError")
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return PlainTextResponse("engine not running", status_code=503)
+        return PlainTextResponse("")
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=model_name, root=model_name, max_model_len=engine.engine.config.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        return await respond(request, serving.create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest):
+        return await respond(request, serving.create_chat_completion)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(model_name),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        from microvllm import __version__
+        return {"version": __version__}
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine (loading the model), then serve until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.model_tag is not None:
+        engine_args.model = args.model_tag
+    engine = AsyncLLM.from_engine_args(engine_args)
+    model_name = args.served_model_name or engine_args.model or EMBEDDED_MODEL_NAME
+    app = build_app(engine, model_name)
+    logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    try:
+        uvicorn.Server(config).run()   # handles SIGTERM and SIGINT: a graceful stop
+    finally:
+        engine.shutdown()              # again, in case the server never started
+    return 0
