@@ -34,7 +34,9 @@ def test_help_lists_user_commands_only(capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["generate", "--help"], ["--max-tokens", "--max-num-seqs", "--enable-prefix-caching"]),
-    (["bench", "--help"], ["throughput", "attention"]),
+    (["bench", "--help"], ["throughput", "serve", "attention"]),
+    (["bench", "serve", "--help"], ["--request-rate", "--num-prompts", "--output-json"]),
+    (["serve", "--help"], ["--host", "--port", "--max-num-seqs"]),
     (["bench", "throughput", "--help"], ["--num-prompts", "--input-len", "--output-len", "--output-json"]),
     (["course", "--help"], ["build", "check"]),  # hidden, yet reachable
 ])

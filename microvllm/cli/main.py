@@ -47,10 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trace", metavar="OUT.json", default=None, help="record the step trace to a file")
     EngineArgs.add_cli_args(gen.add_argument_group("engine arguments"))
 
-    bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench attention")
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,attention}")
+    bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench serve | bench attention")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,serve,attention}")
     # Listed here for the help; main() hands the line to their own parsers.
     for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
+                       ("serve", "load a running server: Poisson arrivals, TTFT / TPOT / ITL"),
                        ("attention", "attention kernels (needs a CUDA GPU)")):
         one = which.add_parser(name, help=text, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER)
@@ -70,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         from microvllm.course.build import main as course_main
         return course_main(argv[1:])
     parser = build_parser()
-    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["attention"]):
+    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["attention"]):
         if argv[1] == "throughput":
             from microvllm.bench.throughput import main as bench_main
+        elif argv[1] == "serve":
+            from microvllm.bench.serve import main as bench_main
         else:
             from microvllm.bench.attention import main as bench_main
         return _without_traceback(parser, bench_main, argv[2:])

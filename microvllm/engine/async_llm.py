@@ -176,8 +176,7 @@ class AsyncLLM:
                 except Exception as error:  # a bad request: the caller gets the message
                     future.set_exception(error)
             elif kind == "abort":
-                if self.engine.abort_request(payload):
-                    self.metrics.on_abort(payload)
+                self._abort(payload)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -194,7 +193,11 @@ class AsyncLLM:
             except RuntimeError:  # that event loop is closed: nobody listens any more
                 pass
         elif not finished:  # its listener left before the abort arrived
-            self.engine.abort_request(request_id)
+            self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort_request(request_id):
+            self.metrics.on_abort(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import signal
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -117,11 +118,6 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
         return PlainTextResponse(engine.metrics.render(model_name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/version")
-    async def version():
-        from microvllm import __version__
-        return {"version": __version__}
-
     return app
 
 
@@ -138,8 +134,14 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn catches SIGTERM / SIGINT, stops gracefully, then raises the signal again
+    # with the handlers that were there before it: these make that a normal exit (status 0).
+    stopped = lambda signum, frame: logger.info("stopped by signal %d", signum)  # noqa: E731
+    previous = {s: signal.signal(s, stopped) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        uvicorn.Server(config).run()   # handles SIGTERM and SIGINT: a graceful stop
+        uvicorn.Server(config).run()
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         engine.shutdown()              # again, in case the server never started
     return 0

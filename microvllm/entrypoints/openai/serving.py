@@ -30,8 +30,11 @@ from microvllm.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 async def merge(generators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
     """Yield ``(index, item)`` from several async generators as items arrive."""
     if len(generators) == 1:
-        async for item in generators[0]:
-            yield 0, item
+        try:
+            async for item in generators[0]:
+                yield 0, item
+        finally:
+            await generators[0].aclose()   # closed early (client gone): abort at once, not at GC
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -104,6 +107,13 @@ class OpenAIServing:
                 "usage": _usage(prompt_tokens, completion_tokens)}
 
     async def _completion_stream(self, request, request_id, first, results, n) -> AsyncIterator[str]:
+        try:
+            async for event in self._completion_events(request, request_id, first, results, n):
+                yield event
+        finally:
+            await results.aclose()   # the client went away mid-stream: abort its requests now
+
+    async def _completion_events(self, request, request_id, first, results, n) -> AsyncIterator[str]:
         created, prompt_tokens, completion_tokens = int(time.time()), {}, {}
         sent: dict[tuple[int, int], int] = {}   # (prompt, sample) -> tokens already sent
         async for index, out in _chain_async(first, results):
@@ -166,6 +176,13 @@ class OpenAIServing:
                 "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
     async def _chat_stream(self, request, request_id, first, results, top_n) -> AsyncIterator[str]:
+        try:
+            async for event in self._chat_events(request, request_id, first, results, top_n):
+                yield event
+        finally:
+            await results.aclose()   # the client went away mid-stream: abort its request now
+
+    async def _chat_events(self, request, request_id, first, results, top_n) -> AsyncIterator[str]:
         created = int(time.time())
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         n = request.n
