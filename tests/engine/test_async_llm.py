@@ -8,7 +8,7 @@ import pytest
 from microvllm import LLM, SamplingParams
 from microvllm.engine.async_llm import AsyncLLM, EngineDeadError
 
-SETTINGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+SETTINGS = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64)
 PROMPTS = ["the engine", "a block table", "hello world and the scheduler", "tokens"]
 
 
@@ -55,17 +55,19 @@ async def wait_until(predicate, timeout=30.0):
 
 
 def test_cancelling_a_generator_aborts_the_request_and_frees_its_blocks(async_llm):
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
     engine = async_llm.engine
 
     async def cancel_midway():
-        seen = []
+        seen, two_outputs = [], asyncio.Event()
 
         async def consume():
             async for out in async_llm.generate("the engine " * 8, params, "to-cancel"):
                 seen.append(out)
+                if len(seen) == 2:
+                    two_outputs.set()
         task = asyncio.create_task(consume())
-        await wait_until(lambda: len(seen) >= 2)
+        await asyncio.wait_for(two_outputs.wait(), 60)
         assert engine.kv_cache_manager.usage > 0
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -75,7 +77,7 @@ def test_cancelling_a_generator_aborts_the_request_and_frees_its_blocks(async_ll
         return seen
 
     seen = run(cancel_midway())
-    assert not seen[-1].finished and len(seen[-1].outputs[0].token_ids) < 200
+    assert not seen[-1].finished and len(seen[-1].outputs[0].token_ids) < 900
     assert engine.kv_cache_manager.usage == 0.0
 
 
@@ -94,7 +96,7 @@ def test_many_concurrent_requests_finish(async_llm):
 def test_bad_request_raises_and_engine_stays_usable(async_llm):
     async def bad_then_good():
         with pytest.raises(ValueError, match="max_model_len"):
-            await collect(async_llm, {"prompt_token_ids": [5] * 300}, SamplingParams(max_tokens=4))
+            await collect(async_llm, {"prompt_token_ids": [5] * 1100}, SamplingParams(max_tokens=4))
         return await collect(async_llm, "ok", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
 
     outs = run(bad_then_good())
