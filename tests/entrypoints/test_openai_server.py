@@ -222,6 +222,32 @@ def test_a_stream_closed_by_the_client_frees_its_request(server):
     assert server.metrics().get("request_success_total:abort", 0) == aborted_before + 1, httpx.get(server.url + "/metrics").text[-3000:]
 
 
+def test_a_client_that_hangs_up_on_a_plain_request_frees_it(server):
+    """Not streamed: the server notices the closed connection and aborts the request."""
+    wait_for(lambda: idle(server), 60, "an idle server")
+    aborted_before = server.metrics().get("request_success_total:abort", 0)
+    payload = {"model": server.folder, "prompt": "a block table " * 3, "max_tokens": 1000, "temperature": 0,
+               "ignore_eos": True}
+
+    async def hang_up():
+        async with httpx.AsyncClient(timeout=60) as http:
+            async def running() -> float:
+                text = (await http.get(server.url + "/metrics")).text
+                return float(re.search(r"num_requests_running\{[^}]*\} (\S+)", text).group(1))
+
+            task = asyncio.create_task(http.post(server.url + "/v1/completions", json=payload))
+            deadline = time.monotonic() + 60
+            while await running() < 1:
+                assert time.monotonic() < deadline and not task.done(), "the request never ran"
+                await asyncio.sleep(0.02)
+            task.cancel()   # closes the connection mid-request
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(hang_up(), 120))
+    wait_for(lambda: idle(server), 60, "running = 0 and kv usage = 0 after the client left")
+    assert server.metrics().get("request_success_total:abort", 0) == aborted_before + 1
+
+
 def test_bad_requests_get_4xx_with_a_message_and_the_server_stays_healthy(client, server):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=server.folder, prompt="hi", max_tokens=-1)

@@ -18,6 +18,7 @@ finish, then the engine aborts what is left and the process exits.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import re
 import signal
@@ -50,6 +51,32 @@ def bad_request(error: Exception, fields) -> JSONResponse:
     return error_response(400, message, "BadRequestError", param)
 
 
+class ClientGone(Exception):
+    """The client closed its connection before the response was ready."""
+
+
+async def until_disconnected(raw_request: Request, work):
+    """Await ``work``, but cancel it if the client hangs up first (vLLM's ``with_cancellation``):
+    a non-streamed request would otherwise keep generating for nobody. Cancelling it
+    cancels its ``AsyncLLM.generate``, which aborts the request and frees its blocks."""
+    async def disconnected():
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([work_task, watch_task], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if not work_task.done() or work_task.cancelled():
+        await asyncio.gather(work_task, return_exceptions=True)
+        raise ClientGone()
+    return work_task.result()
+
+
 def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``model_name``."""
     serving = OpenAIServing(engine, model_name)
@@ -79,13 +106,15 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
         return error_response(404, f"The model `{name}` does not exist: this server serves `{model_name}`.",
                               "NotFoundError", "model")
 
-    async def respond(request, create):
+    async def respond(request, raw_request: Request, create):
         if (missing := unknown_model(request.model)) is not None:
             return missing
         if not engine.is_running:
             return error_response(503, "the engine is not running", "ServiceUnavailableError")
         try:
-            result = await create(request)
+            result = await until_disconnected(raw_request, create(request))
+        except ClientGone:
+            return PlainTextResponse("", status_code=499)   # nobody reads it: nginx's "client closed"
         except (ValueError, TypeError) as error:
             return bad_request(error, type(request).model_fields)
         except EngineDeadError as error:
@@ -106,12 +135,12 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
         return ModelList(data=[card]).model_dump()
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return await respond(request, serving.create_completion)
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await respond(request, raw_request, serving.create_completion)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        return await respond(request, serving.create_chat_completion)
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return await respond(request, raw_request, serving.create_chat_completion)
 
     @app.get("/metrics")
     async def metrics():
