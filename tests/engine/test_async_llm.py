@@ -109,3 +109,39 @@ def test_shutdown_refuses_new_requests(tiny_models):
     assert not llm._thread.is_alive()
     with pytest.raises(EngineDeadError):
         run(collect(llm, "hi", SamplingParams(max_tokens=2)))
+
+
+def test_trace_records_arrivals_and_the_timeline_marks_them(tiny_models):
+    """A request that arrives while another runs: its arrival step is recorded, its
+    first token comes at or after it, and the timeline draws both markers."""
+    from microvllm.viz.timeline import plot_timeline
+
+    llm = AsyncLLM(str(tiny_models["llama"]), trace=True, **SETTINGS)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def staggered():
+        three, later = asyncio.Event(), []
+
+        async def first():
+            count = 0
+            async for _ in llm.generate("the engine", params, "early"):
+                count += 1
+                if count == 3:
+                    three.set()
+        task = asyncio.create_task(first())
+        await asyncio.wait_for(three.wait(), 60)
+        later = await collect(llm, "a block table", params, "late")
+        await task
+        return later
+
+    try:
+        run(staggered())
+    finally:
+        llm.shutdown()
+    trace = llm.engine.trace
+    assert trace.arrival_steps["early"] == 0 and trace.arrival_steps["late"] >= 3
+    first_tokens = trace.first_token_steps()
+    assert first_tokens["late"] >= trace.arrival_steps["late"] and first_tokens["early"] == 0
+    ax = plot_timeline(trace).axes[0]
+    gids = {c.get_gid() for c in ax.collections}
+    assert {"arrivals", "first-tokens"} <= gids
