@@ -92,12 +92,16 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
         if first.get("type") == "json_invalid":
             return error_response(400, f"malformed JSON in the request body: {first.get('msg')}",
                                   "BadRequestError")
-        param = ".".join(location) or None
-        return error_response(400, f"{param or 'request body'}: {first.get('msg', 'invalid')}",
+        # loc is ("body", field, index, ...), with pydantic's union member names ("str",
+        # "list[int]") in between: keep the field and the indices, as a client wrote them.
+        location = [str(part) for part in first.get("loc", ())[1:]
+                    if isinstance(part, int) or part.isidentifier() and part not in ("str", "int", "float", "bool")]
+        param = location[0] if location else None
+        where = ".".join(location) or "request body"
+        return error_response(400, f"{where}: {first.get('msg', 'invalid')} (got {first.get('input')!r:.80})",
                               "BadRequestError", param)
 
     def unknown_model(name: str | None) -> JSONResponse | None:
