@@ -130,3 +130,19 @@ def test_the_graph_is_real():
     assert "microvllm.platforms.cpu.kernels" in graph["microvllm.platforms.cpu.ops"]
     assert "microvllm.engine.engine" in graph["microvllm.llm"]
     assert layer_of("microvllm.engine.engine") > layer_of("microvllm.core.scheduler")
+
+
+def test_all_cpp_is_in_csrc_and_the_lesson_path_has_no_speed_code():
+    """Every .cpp/.h lives in csrc/; the model and its layers are plain torch: no ctypes, no
+    kernel module, no fast-path branch, and Linear knows nothing of the CPU's GEMMs."""
+    sources = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*") if p.suffix in (".cpp", ".h")]
+    assert sources and all(p.parts[0] == "csrc" for p in sources), sources
+    lesson = [*PACKAGE.glob("layers/*.py"), *PACKAGE.glob("models/*.py")]
+    assert len(lesson) > 5
+    for path in lesson:
+        text = path.read_text()
+        for word in ("ctypes", "decode_fast_path", "mkldnn", "cpu_kernels"):
+            assert word not in text, f"{path.relative_to(PACKAGE)} mentions {word!r}"
+    linear = (PACKAGE / "layers" / "linear.py").read_text()
+    for word in ("oneDNN", "onednn", "AMX", "amx", "AVX", "avx"):
+        assert word not in linear, f"layers/linear.py mentions {word!r}"
