@@ -113,6 +113,10 @@ class Trace:
     null_block_id: int = 0
     prompts: dict[str, str] = field(default_factory=dict)
     steps: list[StepTrace] = field(default_factory=list)
+    # When each request arrived: the number of the first step that could schedule it
+    # (online serving: requests arrive over time; steps, not seconds, so that a trace
+    # stays deterministic).
+    arrival_steps: dict[str, int] = field(default_factory=dict)
 
     # -- a sequence of steps ------------------------------------------------
     def __len__(self) -> int:
@@ -136,6 +140,15 @@ class Trace:
         for rid in self.prompts:
             seen.setdefault(rid, None)
         return list(seen)
+
+    def first_token_steps(self) -> dict[str, int]:
+        """The step at which each request got its first new token (its time to first token,
+        in steps, is this minus its arrival step)."""
+        first: dict[str, int] = {}
+        for s in self.steps:
+            for rid in s.new_tokens:
+                first.setdefault(rid, s.step)
+        return first
 
     def owner_of_blocks(self, step: int) -> list[list[str]]:
         """For each physical block at step *index* `step`, the request ids holding it."""

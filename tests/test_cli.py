@@ -34,7 +34,9 @@ def test_help_lists_user_commands_only(capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["generate", "--help"], ["--max-tokens", "--max-num-seqs", "--enable-prefix-caching"]),
-    (["bench", "--help"], ["throughput", "attention"]),
+    (["bench", "--help"], ["throughput", "serve", "attention"]),
+    (["bench", "serve", "--help"], ["--request-rate", "--num-prompts", "--output-json"]),
+    (["serve", "--help"], ["--host", "--port", "--max-num-seqs"]),
     (["bench", "throughput", "--help"], ["--num-prompts", "--input-len", "--output-len", "--output-json"]),
     (["course", "--help"], ["build", "check"]),  # hidden, yet reachable
 ])
@@ -58,7 +60,8 @@ def test_version(capsys):
     (["generate", "hi", "--model", "/no/such/folder"], ["/no/such/folder", "is not a folder"]),
     (["generate", "hi", "--tensor-parallel-size", "2"], ["tensor parallelism is not implemented"]),
     (["bench", "throughput", "--input-len", "0"], ["--input-len", "expected a whole number >= 1"]),
-    (["serve"], ["not implemented yet (issue 22)"]),
+    (["serve", "/no/such/folder"], ["/no/such/folder", "is not a folder"]),
+    (["serve", "--port", "http"], ["--port", "invalid int value"]),
 ])
 def test_bad_arguments_give_one_error_line_and_status_2(capsys, argv, words):
     status, _, err = run(capsys, *argv)

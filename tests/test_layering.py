@@ -10,6 +10,7 @@ A learner reads the package bottom-up; each layer may use only the ones below it
     models sample                            the models, the loader, the sampler
     platforms                                the hardware: ops' fast versions, C++ kernels
     worker  <  executor  <  engine  <  llm   the request's path, top-down
+    entrypoints                              the OpenAI-compatible server (over engine.async_llm)
     viz checks course bench cli __main__     tools around the engine
 
 Every ``import`` counts, including those inside functions (an import deferred to run
@@ -34,6 +35,7 @@ LAYERS = [
     {"executor"},
     {"engine"},
     {"llm"},
+    {"entrypoints"},                                               # the OpenAI server over AsyncLLM
     {"viz", "checks", "course", "bench", "cli", "__main__", ""},   # "": the package's __init__
 ]
 

@@ -4,7 +4,8 @@
     microvllm bench throughput [--quick] [--num-prompts N --input-len L --output-len L]
     microvllm bench attention               (needs a CUDA GPU)
     microvllm bench gpu                     the engine on a CUDA GPU: correctness and speed
-    microvllm serve                         (not implemented yet: issue 22)
+    microvllm serve [MODEL] --port 8000 [engine flags]     OpenAI-compatible server
+    microvllm bench serve --port 8000 --request-rate 4      load test a running server
     microvllm --version
 
 ``microvllm course build|check`` (regenerate and check the exercises) is reachable
@@ -22,6 +23,7 @@ import sys
 import time
 
 from microvllm.cli.parser import FlexibleArgumentParser
+from microvllm.cli.serve import add_serve_args
 
 SUBCOMMANDS = "{generate,bench,serve}"  # the ones the help lists ("course" is hidden)
 
@@ -46,17 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trace", metavar="OUT.json", default=None, help="record the step trace to a file")
     EngineArgs.add_cli_args(gen.add_argument_group("engine arguments"))
 
-    bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench attention | bench gpu")
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,attention,gpu}")
+    bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench serve | bench attention | bench gpu")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,serve,attention,gpu}")
     # Listed here for the help; main() hands the line to their own parsers.
     for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
+                       ("serve", "load a running server: Poisson arrivals, TTFT / TPOT / ITL"),
                        ("attention", "attention kernels (needs a CUDA GPU)"),
                        ("gpu", "the engine on a CUDA GPU: tokens vs the CPU, kernels, speed")):
         one = which.add_parser(name, help=text, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER)
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible server (not implemented yet)")
-    serve.add_argument("args", nargs=argparse.REMAINDER)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(serve)
 
     return parser
 
@@ -69,20 +73,21 @@ def main(argv: list[str] | None = None) -> int:
         from microvllm.course.build import main as course_main
         return course_main(argv[1:])
     parser = build_parser()
-    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["attention"], ["gpu"]):
+    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["attention"], ["gpu"]):
         if argv[1] == "throughput":
             from microvllm.bench.throughput import main as bench_main
+        elif argv[1] == "serve":
+            from microvllm.bench.serve import main as bench_main
         elif argv[1] == "gpu":
             from microvllm.bench.gpu import main as bench_main
         else:
             from microvllm.bench.attention import main as bench_main
         return _without_traceback(parser, bench_main, argv[2:])
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        print("microvllm: error: serve is not implemented yet (issue 22); use LLM() or "
-              "`microvllm generate` for offline generation", file=sys.stderr)
-        return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from microvllm.entrypoints.openai.api_server import run_server
+        return _without_traceback(parser, run_server, args)
     return _without_traceback(parser, _generate, args)
 
 

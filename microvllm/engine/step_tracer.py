@@ -35,8 +35,11 @@ class StepTracer:
         return self.sink.trace
 
     def add_prompt(self, request_id: str, text: str | None) -> None:
+        """A request arrived (called when it is added): its text and arrival step."""
         if text is not None:
             self.trace.prompts[request_id] = text
+        steps = self.trace.steps
+        self.trace.arrival_steps[request_id] = steps[-1].step + 1 if steps else 0
 
     def begin(self, plan) -> list[RequestStep]:
         """Describe the plan's requests as they are before the model runs."""

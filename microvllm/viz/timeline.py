@@ -7,7 +7,8 @@
          step 0  1  2  ...
 
 One column per step, stacked by request in schedule order: solid = prefill
-tokens, faint = decode tokens; the colour is the request's. Gids: collections
+tokens, faint = decode tokens; the colour is the request's. When requests arrive
+over time (a server), △ under the axis marks each arrival and ● its first token. Gids: collections
 `timeline-prefill` and `timeline-decode` (one rectangle per request and step),
 lines `budget`, `free-blocks`, `preemptions`, `cursor` (the selected step).
 """
@@ -52,6 +53,7 @@ def plot_timeline(trace: Trace, step: int | None = None, ax: Axes | None = None,
     preempted = [s for s in trace if s.preempted]
     ax.plot([s.step for s in preempted], [peak * 1.06] * len(preempted), linestyle="none", marker="v",
             color=colors.PREEMPT_COLOR, markersize=7, clip_on=False, gid="preemptions")
+    arrivals = _arrival_markers(ax, trace, palette, peak)
     free_axis = ax.twinx()
     free_axis.plot(xs, [s.num_free_blocks for s in trace], color="#777777", linewidth=1.2, gid="free-blocks")
     free_axis.set_ylim(0, trace.num_blocks)
@@ -66,10 +68,30 @@ def plot_timeline(trace: Trace, step: int | None = None, ax: Axes | None = None,
     ax.set_ylabel("tokens scheduled", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.set_title(f"Timeline: {len(trace)} steps · {len(preempted)} with preemptions (▼) · "
-                 f"budget {trace.max_num_batched_tokens} tokens (dashed) · free blocks (grey, right)", fontsize=9)
+                 f"budget {trace.max_num_batched_tokens} tokens (dashed) · free blocks (grey, right)"
+                 + (" · arrival (△) → first token (●)" if arrivals else ""), fontsize=9)
     if legend:
         _legend(ax, trace, palette)
     return fig
+
+
+def _arrival_markers(ax: Axes, trace: Trace, palette: dict[str, str], peak: float) -> bool:
+    """Requests that arrive over time (a server, ``viz.demo``): △ at the step each
+    arrived, ● at the step of its first token, in its colour; the gap is its queueing
+    plus prefill. Drawn (gids ``arrivals``, ``first-tokens``) only when some request
+    arrived after the first step; returns whether they were."""
+    first_step = trace.steps[0].step if trace.steps else 0
+    arrived = {rid: step for rid, step in trace.arrival_steps.items()}
+    if not any(step > first_step for step in arrived.values()):
+        return False
+    first_tokens = trace.first_token_steps()
+    y = -0.05 * peak
+    for gid, marker, steps in (("arrivals", "^", arrived), ("first-tokens", "o", first_tokens)):
+        ids = [rid for rid in arrived if rid in steps]
+        ax.scatter([steps[rid] for rid in ids], [y] * len(ids), marker=marker, s=22, clip_on=False,
+                   facecolors="none" if marker == "^" else [palette.get(r, colors.UNKNOWN_COLOR) for r in ids],
+                   edgecolors=[palette.get(r, colors.UNKNOWN_COLOR) for r in ids], gid=gid, zorder=3)
+    return True
 
 
 def move_cursor(fig_or_ax, trace: Trace, step: int) -> None:

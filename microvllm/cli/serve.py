@@ -1,0 +1,24 @@
+"""``microvllm serve``'s flags (the server itself: ``entrypoints/openai/api_server.py``,
+imported only when the command runs, so that ``microvllm --help`` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model, where to listen, then every engine flag (vLLM's ``vllm serve``)."""
+    from microvllm.engine.arg_utils import EngineArgs
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="a model folder or a cached hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients send as `model` (default: the model's path or id)")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds open streams get to finish after SIGTERM before they are aborted")
+    EngineArgs.add_cli_args(parser.add_argument_group("engine arguments"))
+    return parser

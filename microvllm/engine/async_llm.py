@@ -1,0 +1,225 @@
+"""``AsyncLLM``: the online front end over the same ``Engine`` (vLLM: ``v1/engine/async_llm.py``).
+
+The Engine is not thread-safe, so exactly one thread touches it: the engine-core
+loop. Everyone else talks to that loop through a command queue, and hears back
+through one asyncio queue per request::
+
+    asyncio event loop (server)                 engine-core thread (the only Engine user)
+    ───────────────────────────                 ─────────────────────────────────────────
+    generate(prompt, params, id)
+      ── ("add", request, future) ──────────>   engine.process_request / add_processed_request
+      <── future: accepted or ValueError ─────
+      await queue.get()        <── RequestOutput (a snapshot) ──  engine.step() while unfinished
+      ...                                        (sleeps on the command queue when idle)
+    client gone: generate is cancelled
+      ── ("abort", id) ─────────────────────>   engine.abort_request(id): its blocks are freed
+
+Outputs are copied before they cross threads: the engine keeps mutating its own
+``CompletionOutput`` objects step after step. The loop also keeps the serving
+metrics (``ServingMetrics``: TTFT, inter-token latency, queue sizes) that
+``/metrics`` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from microvllm.engine.arg_utils import EngineArgs, check_engine_options
+from microvllm.engine.engine import Engine
+from microvllm.engine.metrics import ServingMetrics
+from microvllm.engine.outputs import RequestOutput
+from microvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core loop failed or was shut down: no request can run any more."""
+
+
+class AsyncLLM:
+    """An engine driven by a background thread; ``generate`` is an async generator.
+
+        llm = AsyncLLM(model=None, max_num_seqs=16)        # same arguments as LLM()
+        async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+            print(out.outputs[0].delta_text, end="")
+        llm.shutdown()
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        check_engine_options(kwargs)
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.engine = Engine(self.engine_args.create_engine_config())
+        self.metrics = ServingMetrics()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # request id -> (event loop, asyncio.Queue); touched by both threads, under the lock.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_engine_loop, name="microvllm-engine-core",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
+        return cls(**dataclasses.asdict(engine_args))
+
+    # ------------------------------------------------------------ the API
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.dead_error is None
+
+    def get_tokenizer(self):
+        return self.engine.get_tokenizer()
+
+    @property
+    def tokenizer(self):
+        return self.engine.prompts.tokenizer
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield a ``RequestOutput`` each step this request moves; the last has
+        ``finished=True``. A bad prompt or parameter raises ``ValueError`` / ``TypeError``
+        before anything is yielded. Closing or cancelling the generator aborts the request."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running (it was shut down or failed)")
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id={request_id!r} is already in use: give each request a unique id")
+            self._streams[request_id] = (loop, outputs)
+        finished = False
+        try:
+            self._commands.put(("add", (request_id, prompt, sampling_params), accepted))
+            await asyncio.wrap_future(accepted)  # re-raises the engine's ValueError
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError(f"the engine failed: {out!r}") from out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:  # cancelled, closed early, or failed: free its blocks
+                self._commands.put(("abort", request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request by id (its generator then simply stops getting outputs)."""
+        self._commands.put(("abort", request_id, None))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight, stop the engine-core thread and wait for it."""
+        self._stopping.set()
+        self._commands.put(("wake", None, None))
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine-core thread did not stop within %.0f s", timeout)
+
+    # ---------------------------------------------- the engine-core thread
+    def _run_engine_loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                # Idle: sleep until a command comes; busy: take what is queued, then step.
+                self._handle_commands(block=not self.engine.has_unfinished_requests())
+                if self._stopping.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    now = time.monotonic()
+                    for out in outputs:
+                        self.metrics.on_output(out, now)
+                        self._deliver(out.request_id, _snapshot(out), out.finished)
+                self._update_gauges()
+        except BaseException as error:  # noqa: BLE001 - every waiter must hear of it
+            logger.exception("the engine-core loop failed")
+            self.dead_error = error
+            self._fail_all(error)
+            return
+        # Shut down: abort what is left so every block is free.
+        with self._lock:
+            streams = list(self._streams)
+        for request_id in streams:
+            self.engine.abort_request(request_id)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._update_gauges()
+        self.dead_error = self.dead_error or EngineDeadError("the engine was shut down")
+
+    def _handle_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload, future = command
+            if kind == "add":
+                request_id, prompt, params = payload
+                try:
+                    self.engine.add_processed_request(self.engine.process_request(request_id, prompt, params))
+                    self.metrics.on_arrival(request_id, time.monotonic())
+                    future.set_result(None)
+                except Exception as error:  # a bad request: the caller gets the message
+                    future.set_exception(error)
+            elif kind == "abort":
+                self._abort(payload)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                self._update_gauges()
+                return
+
+    def _deliver(self, request_id: str, item, finished: bool) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # that event loop is closed: nobody listens any more
+                pass
+        elif not finished:  # its listener left before the abort arrived
+            self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort_request(request_id):
+            self.metrics.on_abort(request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.items())
+        for _, (loop, outputs) in streams:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, error)
+            except RuntimeError:
+                pass
+
+    def _update_gauges(self) -> None:
+        scheduler = self.engine.scheduler
+        self.metrics.set_gauges(len(scheduler.running), len(scheduler.waiting),
+                                self.engine.kv_cache_manager.usage)
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the engine will not change later (its lists keep growing step by step)."""
+    completions = [dataclasses.replace(c, token_ids=list(c.token_ids),
+                                       logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                                       delta_token_ids=list(c.delta_token_ids))
+                   for c in out.outputs]
+    return dataclasses.replace(out, outputs=completions,
+                               prompt_logprobs=list(out.prompt_logprobs) if out.prompt_logprobs else
+                               out.prompt_logprobs)

@@ -1,0 +1,155 @@
+"""Serving metrics in Prometheus' text format, with vLLM's names under ``microvllm:``
+(vLLM: ``v1/metrics/loggers.py``, ``PrometheusStatLogger``).
+
+    request arrives ─── queue ─── first token ── token ── token ── ... ── finished
+    |<──── time_to_first_token ────>|<─ inter_token ─>|
+    |<────────────────────── e2e_request_latency ─────────────────────────>|
+
+The engine-core thread writes (``on_arrival``, ``on_output``, ``set_gauges``); the
+server's ``/metrics`` reads (``render``); one lock keeps each read consistent.
+The text format is simple enough to write by hand: ``# HELP``, ``# TYPE``, then
+``name{labels} value`` lines; a histogram is cumulative ``_bucket{le=...}`` counts
+plus ``_sum`` and ``_count``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+PREFIX = "microvllm:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)   # per bucket, not cumulative; last = +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, running = [], 0
+        for bound, count in zip([*map(repr, self.buckets), "+Inf"], self.counts):
+            running += count
+            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
+        return [*out, f"{name}_sum {self.total!r}", f"{name}_count {self.count}"]
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    last_token: float | None = None
+    num_prompt_tokens_counted: bool = False
+
+
+class ServingMetrics:
+    """Counters, gauges and histograms of one engine, rendered by ``render()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._timings: dict[str, _Timing] = {}
+        self.num_requests_running = 0
+        self.num_requests_waiting = 0
+        self.kv_cache_usage_perc = 0.0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.request_success_total: dict[str, int] = {}
+        self.time_to_first_token = Histogram(TTFT_BUCKETS)
+        self.inter_token_latency = Histogram(ITL_BUCKETS)
+        self.e2e_request_latency = Histogram(E2E_BUCKETS)
+
+    # ------------------------------------------------ the engine thread
+    def on_arrival(self, request_id: str, now: float) -> None:
+        with self._lock:
+            self._timings[request_id] = _Timing(now)
+
+    def on_abort(self, request_id: str) -> None:
+        with self._lock:
+            self._timings.pop(request_id, None)
+            self.request_success_total["abort"] = self.request_success_total.get("abort", 0) + 1
+
+    def on_output(self, out, now: float) -> None:
+        """One step's ``RequestOutput`` of a request."""
+        with self._lock:
+            timing = self._timings.get(out.request_id)
+            if timing is None:
+                return
+            if not timing.num_prompt_tokens_counted:
+                self.prompt_tokens_total += len(out.prompt_token_ids)
+                timing.num_prompt_tokens_counted = True
+            new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
+            if new_tokens:
+                self.generation_tokens_total += new_tokens
+                if timing.last_token is None:
+                    self.time_to_first_token.observe(now - timing.arrival)
+                else:
+                    self.inter_token_latency.observe(now - timing.last_token)
+                timing.last_token = now
+            if out.finished:
+                self._timings.pop(out.request_id, None)
+                self.e2e_request_latency.observe(now - timing.arrival)
+                reason = out.outputs[0].finish_reason or "stop"
+                self.request_success_total[reason] = self.request_success_total.get(reason, 0) + 1
+
+    def set_gauges(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        with self._lock:
+            self.num_requests_running, self.num_requests_waiting = running, waiting
+            self.kv_cache_usage_perc = kv_cache_usage
+
+    # ---------------------------------------------------------- /metrics
+    def render(self, model_name: str) -> str:
+        """The Prometheus text exposition (version 0.0.4)."""
+        label = f'model_name="{model_name}"'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, values: list[str]) -> None:
+            lines.extend([f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"])
+            lines.extend(f"{PREFIX}{v}" for v in values)
+
+        with self._lock:
+            metric("num_requests_running", "gauge", "Requests in the running queue (scheduled each step).",
+                   [f"num_requests_running{{{label}}} {self.num_requests_running}"])
+            metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
+                   [f"num_requests_waiting{{{label}}} {self.num_requests_waiting}"])
+            metric("kv_cache_usage_perc", "gauge", "KV cache usage: 1 means every block is in use.",
+                   [f"kv_cache_usage_perc{{{label}}} {self.kv_cache_usage_perc!r}"])
+            metric("prompt_tokens_total", "counter", "Prompt tokens processed.",
+                   [f"prompt_tokens_total{{{label}}} {self.prompt_tokens_total}"])
+            metric("generation_tokens_total", "counter", "Tokens generated.",
+                   [f"generation_tokens_total{{{label}}} {self.generation_tokens_total}"])
+            metric("request_success_total", "counter", "Finished requests, by finish reason.",
+                   [f'request_success_total{{{label},finished_reason="{reason}"}} {count}'
+                    for reason, count in sorted(self.request_success_total.items())])
+            for name, hist, text in (
+                    ("time_to_first_token_seconds", self.time_to_first_token,
+                     "Time from arrival to the first generated token."),
+                    ("inter_token_latency_seconds", self.inter_token_latency,
+                     "Time between two outputs of one request."),
+                    ("e2e_request_latency_seconds", self.e2e_request_latency,
+                     "Time from arrival to the last token.")):
+                metric(name, "histogram", text,
+                       [_labelled(line, label) for line in hist.lines(name)])
+        return "\n".join(lines) + "\n"
+
+
+def _labelled(line: str, label: str) -> str:
+    """Put ``label`` into a sample line: ``x_bucket{le="1"} 3`` -> ``x_bucket{label,le="1"} 3``."""
+    name, _, value = line.partition(" ")
+    if "{" in name:
+        return name.replace("{", "{" + label + ",", 1) + " " + value
+    return f"{name}{{{label}}} {value}"

@@ -1,0 +1,147 @@
+"""AsyncLLM: the same greedy tokens as LLM.generate, cancellation frees blocks, many
+concurrent requests finish, bad requests are refused without harming the engine."""
+
+import asyncio
+
+import pytest
+
+from microvllm import LLM, SamplingParams
+from microvllm.engine.async_llm import AsyncLLM, EngineDeadError
+
+SETTINGS = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64)
+PROMPTS = ["the engine", "a block table", "hello world and the scheduler", "tokens"]
+
+
+@pytest.fixture(scope="module")
+def async_llm(tiny_models):
+    llm = AsyncLLM(str(tiny_models["llama"]), **SETTINGS)
+    yield llm
+    llm.shutdown()
+    assert not llm._thread.is_alive()
+
+
+def run(coro, timeout=60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def collect(llm, prompt, params, request_id=None):
+    outs = [out async for out in llm.generate(prompt, params, request_id)]
+    return outs
+
+
+def test_same_greedy_tokens_as_llm_generate(async_llm, tiny_models):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = LLM(str(tiny_models["llama"]), **SETTINGS).generate(PROMPTS, params, use_tqdm=False)
+
+    async def all_at_once():
+        return await asyncio.gather(*(collect(async_llm, p, params) for p in PROMPTS))
+
+    results = run(all_at_once())
+    for outs, want in zip(results, expected):
+        final = outs[-1]
+        assert final.finished and not any(o.finished for o in outs[:-1])
+        assert final.outputs[0].token_ids == want.outputs[0].token_ids
+        assert final.outputs[0].text == want.outputs[0].text
+        # The deltas add up to the whole: each output is a snapshot, not a shared object.
+        assert [t for o in outs for t in o.outputs[0].delta_token_ids] == want.outputs[0].token_ids
+        assert "".join(o.outputs[0].delta_text for o in outs) == want.outputs[0].text
+
+
+async def wait_until(predicate, timeout=30.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_cancelling_a_generator_aborts_the_request_and_frees_its_blocks(async_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    engine = async_llm.engine
+
+    async def cancel_midway():
+        seen, two_outputs = [], asyncio.Event()
+
+        async def consume():
+            async for out in async_llm.generate("the engine " * 8, params, "to-cancel"):
+                seen.append(out)
+                if len(seen) == 2:
+                    two_outputs.set()
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(two_outputs.wait(), 60)
+        assert engine.kv_cache_manager.usage > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: async_llm.metrics.num_requests_running == 0
+                         and async_llm.metrics.kv_cache_usage_perc == 0.0)
+        return seen
+
+    seen = run(cancel_midway())
+    assert not seen[-1].finished and len(seen[-1].outputs[0].token_ids) < 900
+    assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_many_concurrent_requests_finish(async_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def many():
+        return await asyncio.gather(*(collect(async_llm, f"request {i} the", params) for i in range(32)))
+
+    results = run(many(), timeout=120)
+    assert all(outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6 for outs in results)
+    assert async_llm.engine.kv_cache_manager.usage == 0.0
+    assert not async_llm.engine.has_unfinished_requests()
+
+
+def test_bad_request_raises_and_engine_stays_usable(async_llm):
+    async def bad_then_good():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(async_llm, {"prompt_token_ids": [5] * 1100}, SamplingParams(max_tokens=4))
+        return await collect(async_llm, "ok", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+
+    outs = run(bad_then_good())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+
+
+def test_shutdown_refuses_new_requests(tiny_models):
+    llm = AsyncLLM(str(tiny_models["llama"]), **SETTINGS)
+    llm.shutdown()
+    assert not llm._thread.is_alive()
+    with pytest.raises(EngineDeadError):
+        run(collect(llm, "hi", SamplingParams(max_tokens=2)))
+
+
+def test_trace_records_arrivals_and_the_timeline_marks_them(tiny_models):
+    """A request that arrives while another runs: its arrival step is recorded, its
+    first token comes at or after it, and the timeline draws both markers."""
+    from microvllm.viz.timeline import plot_timeline
+
+    llm = AsyncLLM(str(tiny_models["llama"]), trace=True, **SETTINGS)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def staggered():
+        three, later = asyncio.Event(), []
+
+        async def first():
+            count = 0
+            async for _ in llm.generate("the engine", params, "early"):
+                count += 1
+                if count == 3:
+                    three.set()
+        task = asyncio.create_task(first())
+        await asyncio.wait_for(three.wait(), 60)
+        later = await collect(llm, "a block table", params, "late")
+        await task
+        return later
+
+    try:
+        run(staggered())
+    finally:
+        llm.shutdown()
+    trace = llm.engine.trace
+    assert trace.arrival_steps["early"] == 0 and trace.arrival_steps["late"] >= 3
+    first_tokens = trace.first_token_steps()
+    assert first_tokens["late"] >= trace.arrival_steps["late"] and first_tokens["early"] == 0
+    ax = plot_timeline(trace).axes[0]
+    gids = {c.get_gid() for c in ax.collections}
+    assert {"arrivals", "first-tokens"} <= gids
