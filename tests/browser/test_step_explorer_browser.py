@@ -10,6 +10,9 @@ Every process the test starts is stopped by process group, and every process
 they started (the kernel has its own session) by pid. The whole test is bounded
 by TIME_LIMIT_S. Skipped only if /usr/bin/chromium is absent and CI is unset;
 in CI a missing browser is a failure.
+
+The widget's screenshot goes to tests/artifacts/ (ignored by git); with
+MICROVLLM_UPDATE_README_IMAGE=1 it replaces the README's notebooks/images/step_explorer.png.
 """
 
 import base64
@@ -232,7 +235,11 @@ def test_step_explorer_slider_redraws_in_chromium(tmp_path):
 
             page.screenshot(path=str(ARTIFACTS / "step_explorer_browser.png"))
             widget_png = page.locator(".widget-vbox").first.screenshot()
-            save_small_png(widget_png, README_IMAGE)
+            # The committed README image is refreshed only on request, so that a test run
+            # leaves the tree as it found it (the artifacts folder is ignored by git).
+            target = README_IMAGE if os.environ.get("MICROVLLM_UPDATE_README_IMAGE") else \
+                ARTIFACTS / "step_explorer_widget.png"
+            save_small_png(widget_png, target)
             browser.close()
         elapsed = time.monotonic() - start
         print(f"\nbrowser test: explorer rendered and redrew in Chromium in {elapsed:.1f} s")
