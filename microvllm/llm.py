@@ -115,8 +115,7 @@ class LLM:
     def _params_per_prompt(self, prompts, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
             return [SamplingParams()] * len(prompts)
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params.verify()  # a field may have been set after construction
+        if isinstance(sampling_params, SamplingParams):   # verified by Engine.process_request
             return [sampling_params] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)):
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
@@ -129,7 +128,6 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params entries must be SamplingParams, got {type(p).__name__}: "
                                 "use SamplingParams(temperature=0, ...)")
-            p.verify()  # a field may have been set after construction
         return sampling_params
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
@@ -167,14 +165,10 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer, so chat() cannot render messages")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.render_chat_template(
-                conversation, add_generation_prompt, chat_template=chat_template,
-                continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
-            # The template wrote the special tokens itself: none are added again.
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [self.tokenizer.chat_prompt(
+            conversation, add_generation_prompt, chat_template=chat_template,
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+            for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -------------------------------------------------------------- stream

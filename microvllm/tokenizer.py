@@ -109,6 +109,14 @@ class Tokenizer:
             continue_final_message=continue_final_message, tokenize=False,
             **(chat_template_kwargs or {}))
 
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **template_options) -> dict:
+        """The chat as a prompt for the engine: ``{"prompt": text, "prompt_token_ids": ids}``
+        (``template_options``: ``render_chat_template``'s). The template wrote the special
+        tokens itself, so none are added again when the text is encoded."""
+        text = self.render_chat_template(messages, add_generation_prompt, **template_options)
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
+
     def _check_chat_template(self) -> None:
         if not getattr(self.hf_tokenizer, "chat_template", None):
             raise ValueError(

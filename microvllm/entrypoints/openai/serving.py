@@ -88,7 +88,7 @@ class OpenAIServing:
         results = merge(generators)
         first = await _first(results)   # a bad prompt raises here, before any response starts
         if request.stream:
-            return self._completion_stream(request, request_id, first, results, params.n)
+            return _closing(self._completion_events(request, request_id, first, results, params.n), results)
         finals: dict[int, RequestOutput] = {}
         async for index, out in _chain_async(first, results):
             finals[index] = out
@@ -105,13 +105,6 @@ class OpenAIServing:
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
                 "usage": _usage(prompt_tokens, completion_tokens)}
-
-    async def _completion_stream(self, request, request_id, first, results, n) -> AsyncIterator[str]:
-        try:
-            async for event in self._completion_events(request, request_id, first, results, n):
-                yield event
-        finally:
-            await results.aclose()   # the client went away mid-stream: abort its requests now
 
     async def _completion_events(self, request, request_id, first, results, n) -> AsyncIterator[str]:
         created, prompt_tokens, completion_tokens = int(time.time()), {}, {}
@@ -149,12 +142,10 @@ class OpenAIServing:
         if not request.messages:
             raise ValueError("messages must hold at least one message")
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        text = tokenizer.render_chat_template(
+        return tokenizer.chat_prompt(
             messages, request.add_generation_prompt, chat_template=request.chat_template,
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs)
-        # The template wrote the special tokens itself: none are added again (as LLM.chat).
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         params = request.to_sampling_params()
@@ -163,7 +154,7 @@ class OpenAIServing:
         results = merge([self.engine.generate(prompt, params, request_id)])
         first = await _first(results)
         if request.stream:
-            return self._chat_stream(request, request_id, first, results, params.logprobs)
+            return _closing(self._chat_events(request, request_id, first, results, params.logprobs), results)
         out = first[1]
         async for _, out in results:
             pass
@@ -174,13 +165,6 @@ class OpenAIServing:
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
                 "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
-
-    async def _chat_stream(self, request, request_id, first, results, top_n) -> AsyncIterator[str]:
-        try:
-            async for event in self._chat_events(request, request_id, first, results, top_n):
-                yield event
-        finally:
-            await results.aclose()   # the client went away mid-stream: abort its request now
 
     async def _chat_events(self, request, request_id, first, results, top_n) -> AsyncIterator[str]:
         created = int(time.time())
@@ -209,6 +193,16 @@ class OpenAIServing:
 
 
 # ------------------------------------------------------------------ helpers
+async def _closing(events: AsyncIterator[str], results) -> AsyncIterator[str]:
+    """Stream ``events``; however the stream ends, close ``results``: when the client went
+    away mid-stream, that aborts its requests now."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await results.aclose()
+
+
 async def _first(results):
     try:
         return await results.__anext__()

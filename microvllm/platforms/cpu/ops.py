@@ -86,17 +86,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits [rows, vocab]`` float32 -> ``[rows]`` int64, equal to ``logits.argmax(dim=-1)``
     (the first maximum; the first NaN if a row has one)."""
-    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu":
-        raise ValueError(f"greedy_argmax takes float32 [rows, vocab] CPU logits, got {logits.dtype} "
-                         f"{list(logits.shape)} on {logits.device}")
+    if not (logits.dtype == torch.float32 and logits.dim() == 2 and logits.device.type == "cpu"
+            and logits.shape[1] > 0):
+        raise ValueError(f"greedy_argmax takes float32 [rows, vocab > 0] CPU logits, got "
+                         f"{logits.dtype} {list(logits.shape)} on {logits.device}")
     logits = logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    if logits.shape[0] and logits.shape[1]:
+    if logits.shape[0]:
         with kernels.profiled("microvllm::greedy_argmax"):
             kernels.load("argmax").argmax_rows(logits.data_ptr(), out.data_ptr(), logits.shape[0],
                                                logits.shape[1])
-    elif logits.shape[0]:
-        return logits.argmax(dim=-1)   # an empty vocabulary: torch's own error
     return out
 
 
