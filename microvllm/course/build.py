@@ -39,8 +39,14 @@ TAG = "microvllm"
 # ----------------------------------------------------------------------- the cut
 
 
-def cut_solutions(source: str, todos: dict) -> tuple[str, list[str]]:
-    """Replace every marked block with ``raise NotImplementedError("<qualname>: <todo>")``.
+def _raise_todo(indent: str, qualname: str, todo: str) -> str:
+    message = f"{qualname}: {todo}".replace("\\", "\\\\").replace('"', '\\"')
+    return f'{indent}raise NotImplementedError("{message}")'
+
+
+def cut_solutions(source: str, todos: dict, replace=_raise_todo) -> tuple[str, list[str]]:
+    """Replace every marked block with ``raise NotImplementedError("<qualname>: <todo>")``
+    (or with the line ``replace(indent, qualname, todo)`` returns).
 
     Returns the exercise source and the qualnames whose blocks were cut. A block's
     qualname is its enclosing ``Class.function`` (or ``function``); ``todos[qualname]``
@@ -71,8 +77,7 @@ def cut_solutions(source: str, todos: dict) -> tuple[str, list[str]]:
             if number >= len(todo):
                 raise ValueError(f"{qualname} has more solution blocks than todos")
             todo = todo[number]
-        message = f"{qualname}: {todo}".replace("\\", "\\\\").replace('"', '\\"')
-        out.append(f'{indent}raise NotImplementedError("{message}")')
+        out.append(replace(indent, qualname, todo))
         index = end + 1
     return "\n".join(out) + "\n", list(seen)
 

@@ -8,6 +8,8 @@ import inspect
 import textwrap
 from pathlib import Path
 
+MARK_BEGIN = "### BEGIN SOLUTION"   # as course/build.py (imported lazily there: build imports the specs)
+
 
 def source_of(obj, *, start: str | None = None, end: str | None = None) -> str:
     """The source of ``obj``; with ``start``/``end``, only the lines from the first line
@@ -15,10 +17,14 @@ def source_of(obj, *, start: str | None = None, end: str | None = None) -> str:
     source = textwrap.dedent(inspect.getsource(obj))
     if start is None and end is None:
         return source
+    return _snippet(source, start, end, getattr(obj, "__name__", obj))
+
+
+def _snippet(source: str, start: str | None, end: str | None, name="the source") -> str:
     lines = source.splitlines()
     first = next((i for i, line in enumerate(lines) if start is None or start in line), None)
     if first is None:
-        raise ValueError(f"{start!r} does not occur in the source of {getattr(obj, '__name__', obj)}")
+        raise ValueError(f"{start!r} does not occur in the source of {name}")
     last = next((i for i in range(first, len(lines)) if end is not None and end in lines[i]),
                 len(lines) - 1)
     return textwrap.dedent("\n".join(lines[first:last + 1])) + "\n"
@@ -26,7 +32,19 @@ def source_of(obj, *, start: str | None = None, end: str | None = None) -> str:
 
 def show_source(obj, *, start: str | None = None, end: str | None = None):
     """Display the source as a highlighted Markdown code block (plain text elsewhere),
-    headed by the file and line it lives at."""
+    headed by the file and line it lives at.
+
+    An exercise's solution is never shown in plain view: each ``### BEGIN SOLUTION``
+    block becomes one line saying which exercise writes it, and the whole source
+    follows in a folded ``<details>`` block, to open after the exercise::
+
+        def free_blocks(self, ordered_blocks):       def free_blocks(self, ordered_blocks):
+            (docstring)                                 (docstring)
+            ### BEGIN SOLUTION              ──>         ...  # exercise 03 writes this: drop one ...
+            for block in ordered_blocks:
+                ...                                 ▶ After exercise 03: the full source (folded)
+            ### END SOLUTION
+    """
     from IPython.display import Markdown
 
     path = inspect.getsourcefile(obj) or "?"
@@ -37,7 +55,40 @@ def show_source(obj, *, start: str | None = None, end: str | None = None):
     if start is not None:  # point at the snippet, not at the top of the object
         first_line += next(i for i, line in enumerate(lines) if start in line)
     name = getattr(obj, "__qualname__", getattr(obj, "__name__", ""))
-    return Markdown(f"`{short}:{first_line}` — `{name}`\n\n```python\n{code}```")
+    head = f"`{short}:{first_line}` — `{name}`\n\n"
+    if MARK_BEGIN not in code:
+        return Markdown(f"{head}```python\n{code}```")
+    folded, exercises = fold_solutions(obj, start=start, end=end)
+    which = " and ".join(sorted(exercises))
+    return Markdown(f"{head}```python\n{folded}```\n\n<details><summary>After exercise {which}: the full "
+                    f"source, solution included</summary>\n\n```python\n{code}```\n\n</details>")
+
+
+def fold_solutions(obj, *, start: str | None = None, end: str | None = None) -> tuple[str, set[str]]:
+    """``obj``'s source (or the ``start``..``end`` snippet of it) with each solution block
+    replaced by a line naming the exercise that writes it; and those exercises' numbers."""
+    from microvllm.course.build import cut_solutions
+    from microvllm.course.specs import EXERCISES
+
+    todos, owner = {}, {}
+    prefix = getattr(obj, "__qualname__", "").rpartition(".")[0]   # "BlockPool" for a method
+    for exercise in EXERCISES:
+        for qualname, todo in exercise.todos.items():
+            for key in {qualname, qualname.removeprefix(prefix + ".") if prefix else qualname}:
+                todos[key], owner[key] = todo, exercise.number
+    seen: set[str] = set()
+
+    def replace(indent: str, qualname: str, todo: str) -> str:
+        seen.add(owner[qualname])
+        return f"{indent}...  # exercise {owner[qualname]} writes this: {todo}"
+
+    folded, _ = cut_solutions(textwrap.dedent(inspect.getsource(obj)), todos, replace)
+    if start is not None or end is not None:
+        try:
+            folded = _snippet(folded, start, end)
+        except ValueError:   # the marker lies inside a solution: show the whole folded source
+            pass
+    return folded, seen
 
 
 _LANGUAGES = {".cpp": "cpp", ".cc": "cpp", ".h": "cpp", ".hpp": "cpp", ".py": "python"}
