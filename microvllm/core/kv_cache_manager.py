@@ -170,8 +170,8 @@ class KVCacheManager:
                       for manager in self.single_type_managers]
 
         if self.enable_caching:
-            # Blocks are registered when scheduled: the runner fills them this
-            # step, before any later request can read them.
+            # Registered when scheduled: a request admitted later in this step may
+            # hit them, as every layer writes the step's KV before attention reads.
             num_tokens_to_cache = min(num_tokens_need_slot, request.num_tokens)
             for manager in self.single_type_managers:
                 manager.cache_blocks(request, num_tokens_to_cache)
