@@ -80,7 +80,9 @@ def fold_solutions(obj, *, start: str | None = None, end: str | None = None) -> 
 
     def replace(indent: str, qualname: str, todo: str) -> str:
         seen.add(owner[qualname])
-        return f"{indent}...  # exercise {owner[qualname]} writes this: {todo}"
+        lines = textwrap.wrap(todo, width=max(40, 80 - len(indent)))   # no sideways scrolling
+        return "\n".join([f"{indent}...  # exercise {owner[qualname]} writes this:"]
+                         + [f"{indent}     # {line}" for line in lines])
 
     folded, _ = cut_solutions(textwrap.dedent(inspect.getsource(obj)), todos, replace)
     if start is not None or end is not None:
