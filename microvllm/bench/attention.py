@@ -39,18 +39,19 @@ def random_paged_batch(query_lens: list[int], seq_lens: list[int], *, num_heads:
     """Random ``(query, kv_cache, metadata)`` for requests with these chunk and sequence
     lengths, their pages scattered over the pool in random order.
 
-    With ``poison`` every cache slot that holds no token of any request (free blocks,
-    the unused tail of each last page) is NaN, and unused block-table entries point
-    at a free block: a kernel that reads anything it should not returns NaN.
+    As in the engine, block 0 is the null block: no request's pages are there, and unused
+    block-table entries point at it. With ``poison`` every cache slot that holds no token
+    of any request (the null block, a free block, the unused tail of each last page) is
+    NaN: a kernel that reads anything it should not returns NaN.
     ``num_padding_tokens`` adds query rows that belong to no request."""
     assert len(query_lens) == len(seq_lens)
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 2           # + 2 free blocks, never used
-    pool = torch.randperm(num_blocks, generator=gen, device=device).tolist()
-    free_block = pool.pop()
+    num_blocks = sum(blocks_per_req) + 2           # + the null block (0) and a free block, never used
+    pool = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).tolist()
+    pool.pop()                                      # the free block
     width = max([1, *blocks_per_req])
-    table = [[pool.pop() for _ in range(n)] + [free_block] * (width - n) for n in blocks_per_req]
+    table = [[pool.pop() for _ in range(n)] + [0] * (width - n) for n in blocks_per_req]
 
     def slots(i: int, positions: range) -> list[int]:  # -1: a position before the sequence
         return [table[i][p // block_size] * block_size + p % block_size if p >= 0 else -1

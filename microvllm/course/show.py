@@ -68,11 +68,10 @@ def fold_solutions(obj, *, start: str | None = None, end: str | None = None) -> 
     """``obj``'s source (or the ``start``..``end`` snippet of it) with each solution block
     replaced by a line naming the exercise that writes it; and those exercises' numbers."""
     from microvllm.course.build import cut_solutions
-    from microvllm.course.specs import EXERCISES
 
     todos, owner = {}, {}
     prefix = getattr(obj, "__qualname__", "").rpartition(".")[0]   # "BlockPool" for a method
-    for exercise in EXERCISES:
+    for exercise in _exercises():
         for qualname, todo in exercise.todos.items():
             for key in {qualname, qualname.removeprefix(prefix + ".") if prefix else qualname}:
                 todos[key], owner[key] = todo, exercise.number
@@ -91,6 +90,22 @@ def fold_solutions(obj, *, start: str | None = None, end: str | None = None) -> 
         except ValueError:   # the marker lies inside a solution: show the whole folded source
             pass
     return folded, seen
+
+
+def _exercises():
+    """The exercise specs. They import the objects they cut, the Triton decode kernel among
+    them, which on a machine without CUDA loads only in Triton's CPU interpreter, and refuses
+    to load once triton was imported without it (``make_tiny_model`` imports triton through
+    transformers). Showing source runs no kernel: switch the interpreter on for that import,
+    as ``ensure_triton_can_run`` does when it comes first."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from microvllm.course.specs import EXERCISES
+    return EXERCISES
 
 
 _LANGUAGES = {".cpp": "cpp", ".cc": "cpp", ".h": "cpp", ".hpp": "cpp", ".py": "python"}
