@@ -104,7 +104,7 @@ def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
     ax.set_yticks([])
     ax.set_ylim(max(rows, 1) - 0.4, -0.8)
     ax.set_xlim(0, x_max)
-    ax.set_xlabel("tokens in this step, in the runner's batch order", fontsize=8)
+    ax.set_xlabel("tokens in this step (runner's batch order)", fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     for spine in ("top", "right"):
         ax.spines[spine].set_visible(False)

@@ -61,7 +61,7 @@ def plot_queues(trace: Trace, step: int, ax: Axes | None = None, *, max_chips: i
         if lane == "waiting":                            # the queue's order: next to run on the left
             add_cell_labels(ax, [(x - (pitch - 1) / 2, y + 0.5) for x in xs[1:]], ["→"] * len(xs[1:]),
                             fontsize, "#444444", "queue-waiting-arrows")
-        note = f"+{len(ids) - len(shown)} more" if len(ids) > len(shown) else "" if ids else "—"
+        note = f"+{len(ids) - len(shown)} more" if len(ids) > len(shown) else "" if ids else "none"
         add_cell_labels(ax, [(len(shown) * pitch, y + 0.5)], [note], fontsize, "#444444", f"queue-{lane}-note",
                         align="left", clip=False)
     add_cell_labels(ax, [(-0.3, y + 0.5) for y in range(len(LANES))], list(LANES), fontsize, "black",

@@ -54,7 +54,7 @@ class Look:
 
 
 PRESETS = {"notebook": Look((13, 10.5), 72),
-           "projector": Look((16, 10.5), 100, min_text_px=14)}
+           "projector": Look((16, 9), 100, min_text_px=14)}
 
 
 def look(preset: str = "notebook", scale: float = 1.0, figsize: tuple[float, float] | None = None,
@@ -78,7 +78,7 @@ class StepFigure:
         self.min_fontsize = min_fontsize
         self.figure = new_figure(figsize, dpi=dpi, layout=None)   # fixed layout: no re-layout per step
         grid = self.figure.add_gridspec(4, 2, height_ratios=[1.9, 1.2, 2.0, 1.6], width_ratios=[1.0, 1.0],
-                                        left=0.07, right=0.94, top=0.93, bottom=0.1, hspace=0.5, wspace=0.42)
+                                        left=0.07, right=0.94, top=0.93, bottom=0.11, hspace=0.6, wspace=0.42)
         self.pool_ax = self.figure.add_subplot(grid[0:2, 0])
         self.batch_ax = self.figure.add_subplot(grid[0, 1])
         self.queues_ax = self.figure.add_subplot(grid[1, 1])

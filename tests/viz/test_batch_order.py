@@ -25,7 +25,8 @@ def test_rows_are_in_the_model_runners_batch_order(tmp_path, monkeypatch):
     monkeypatch.setattr(ModelRunner, "_prepare_inputs", spy)
     folder = make_tiny_model(tmp_path / "llama", "llama", seed=7)
     llm = LLM(str(folder), trace=True, block_size=4, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=96)
-    prompts = [{"prompt_token_ids": list(range(start, start + n))} for start, n in ((3, 5), (60, 30), (120, 9), (200, 21))]
+    prompts = [{"prompt_token_ids": list(range(start, start + n))}
+               for start, n in ((3, 5), (60, 30), (120, 9), (200, 21))]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     trace = llm.trace
     assert len(seen) == len(trace)
