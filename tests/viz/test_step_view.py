@@ -156,3 +156,19 @@ def test_projector_screenshot(request):
     (artifacts / "step_explorer_projector.png").write_bytes(explorer.image.value)
     pool = explorer.figure.pool_ax
     assert len(collection(pool, "pool-freed").get_paths()) == len(trace[step].freed_blocks) > 0
+
+
+def test_caption_says_which_blocks_were_allocated_and_why_blocks_were_freed():
+    from microvllm.viz import describe_step
+
+    trace = TRACES["sliding_window"]
+    window = next(i for i, s in enumerate(trace) if s.freed_blocks and not s.finished)
+    s = trace[window]
+    assert f"Freed: block(s) {', '.join(map(str, s.freed_blocks))} (left the 8-token sliding window)." \
+        in describe_step(trace, window)
+    trace = TRACES["preemption"]
+    step = trace.preemption_steps()[0]
+    s = trace[step]
+    lines = describe_step(trace, step)
+    assert f"Allocated: block(s) {', '.join(map(str, s.allocated_blocks))}." in lines
+    assert f"Freed: block(s) {', '.join(map(str, s.freed_blocks))} ({s.preempted[0]} preempted)." in lines
