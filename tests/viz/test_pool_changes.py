@@ -92,3 +92,29 @@ def test_sliding_window_model_frees_blocks_that_left_the_window(tmp_path, pool_s
     s = trace[window_frees[0]]
     released = {b for tables in trace[window_frees[0] - 1].block_tables.values() for t in tables for b in t}
     assert set(s.freed_blocks) <= released
+
+    # What the lecture shows: the explorer on this LLM marks those blocks freed and says why.
+    from pathlib import Path
+
+    from microvllm.viz import StepExplorer
+
+    explorer = StepExplorer(llm, preset="projector", step=window_frees[0])
+    (outlines,) = [c for c in explorer.figure.pool_ax.collections if c.get_gid() == "pool-freed"]
+    assert len(outlines.get_paths()) == len(s.freed_blocks)
+    assert "(left the 8-token sliding window)" in explorer.caption.value
+    artifacts = Path(__file__).resolve().parents[1] / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    (artifacts / "step_explorer_projector_mistral_window.png").write_bytes(explorer.image.value)
+
+
+def test_a_trace_recorded_before_these_fields_still_loads():
+    from microvllm.trace import Trace
+    from microvllm.viz import plot_block_pool
+
+    data = demo_trace("prefix").to_dict()
+    for s in data["steps"]:
+        del s["allocated_blocks"], s["freed_blocks"]
+    trace = Trace.from_dict(data)
+    assert trace[5].freed_blocks == [] and trace[5].allocated_blocks == []
+    ax = plot_block_pool(trace, 5).axes[0]
+    assert [len(c.get_paths()) for c in ax.collections if c.get_gid() in ("pool-allocated", "pool-freed")] == [0, 0]
