@@ -48,7 +48,12 @@ def reset_axes(ax: Axes) -> None:
 
 def enlarge_small_text(artist: Artist, min_fontsize: float) -> None:
     """Raise every text under `artist` (a figure or axes) to at least `min_fontsize` points:
-    titles, legends, tick labels, and label collections (`cell_labels`, sized fontsize**2)."""
+    titles, legends, tick labels, and label collections (`cell_labels`, sized fontsize**2).
+
+    Label collections were sized to fit their cells or rows; one under half the minimum
+    would overlap its neighbours once enlarged, so it is hidden instead (a big trace on a
+    projector keeps its colours, and loses the numbers that cannot be read anyway).
+    """
     for ax in [artist] if isinstance(artist, Axes) else getattr(artist, "axes", []):
         ticks = ax.xaxis.get_ticklabels() + ax.yaxis.get_ticklabels()
         if any(t.get_fontsize() < min_fontsize for t in ticks):
@@ -57,4 +62,7 @@ def enlarge_small_text(artist: Artist, min_fontsize: float) -> None:
         if text.get_fontsize() < min_fontsize:
             text.set_fontsize(min_fontsize)
     for labels in artist.findobj(lambda a: hasattr(a, "labels") and hasattr(a, "set_sizes")):
-        labels.set_sizes(np.maximum(labels.get_sizes(), min_fontsize**2))
+        sizes = labels.get_sizes()
+        if len(sizes) and sizes.max() < (min_fontsize / 2) ** 2:
+            labels.set_visible(False)
+        labels.set_sizes(np.maximum(sizes, min_fontsize**2))

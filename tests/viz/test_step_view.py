@@ -84,7 +84,7 @@ def all_text_px(fig):
     found = [(t.get_fontsize() * scale, t.get_text()) for t in fig.findobj(Text)
              if t.get_visible() and t.get_text().strip() and t.axes is None or
              (t.get_visible() and t.get_text().strip() and t.axes.get_visible())]
-    for labels in fig.findobj(lambda a: hasattr(a, "labels") and hasattr(a, "get_sizes")):
+    for labels in fig.findobj(lambda a: hasattr(a, "labels") and hasattr(a, "get_sizes") and a.get_visible()):
         sizes = list(labels.get_sizes()) * (len(labels.labels) if len(labels.get_sizes()) == 1 else 1)
         found += [(math.sqrt(size) * scale, text) for size, text in zip(sizes, labels.labels) if text.strip()]
     return found
@@ -105,6 +105,19 @@ def test_projector_preset_has_no_text_under_14_px_and_fits_a_1080p_screen(kind):
         assert smallest[0] >= 14 - 1e-6, f"text {smallest[1]!r} is {smallest[0]:.1f} px high"
     default = min(all_text_px(StepExplorer(trace).figure.figure))
     assert default[0] < 14                                          # the test can fail: the default is smaller
+
+
+def test_projector_hides_labels_too_small_to_enlarge_on_a_big_trace():
+    from microvllm.viz import large_demo_trace
+
+    trace = large_demo_trace(num_requests=60, num_blocks=128)
+    step = max(range(len(trace)), key=lambda i: len(trace[i].scheduled))
+    explorer = StepExplorer(trace, preset="projector", step=step)
+    fig = explorer.figure.figure
+    assert min(all_text_px(fig))[0] >= 14 - 1e-6
+    ids = collection(explorer.figure.tables_ax, "tables-ids")
+    assert not ids.get_visible()                         # 20+ rows of block ids: too small, hidden
+    assert collection(explorer.figure.queues_ax, "queue-running").get_visible()
 
 
 def test_scale_multiplies_pixels_and_text():
