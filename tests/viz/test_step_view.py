@@ -56,7 +56,7 @@ def test_long_queues_say_how_many_are_not_shown():
     assert collection(ax, "queue-waiting-note").labels == [f"+{len(waiting) - 12} more"]
 
 
-def test_the_waiting_queue_matches_the_schedulers_at_every_step():
+def test_the_waiting_queue_matches_the_schedulers_at_every_step(monkeypatch):
     """The tracer copies scheduler.waiting at the end of each step: check it against a replay."""
     from microvllm.engine.step_tracer import StepTracer
 
@@ -67,11 +67,8 @@ def test_the_waiting_queue_matches_the_schedulers_at_every_step():
         record(self, *args, **kwargs)
         queues.append([r.request_id for r in self.scheduler.waiting])
 
-    StepTracer.record = spy
-    try:
-        trace = demo_trace("preemption")
-    finally:
-        StepTracer.record = record
+    monkeypatch.setattr(StepTracer, "record", spy)
+    trace = demo_trace("preemption")
     assert [s.waiting for s in trace] == queues
     assert any(len(q) > 1 for q in queues)
     assert trace.preemption_steps()
