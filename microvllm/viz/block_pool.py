@@ -5,7 +5,7 @@
     hatched  free but still cached: a prefix-cache hit waiting to happen
     grey     free and empty
     dark     block 0, the null block (never allocated; stands in for released blocks)
-    green    edge: allocated in this step (fresh, or a cached block revived by a hit)
+    black    edge: allocated in this step (fresh, or a cached block revived by a hit)
     red      inner edge: freed in this step (finished, preempted, or left a sliding window);
              a block can have both: freed and handed out again in the same step
 
@@ -92,7 +92,7 @@ def plot_block_pool(trace: Trace, step: int, ax: Axes | None = None, *, legend: 
     in_use = len(refs[1])
     ax.set_title(f"Block pool after step {s.step}\n{in_use} in use · {len(cached)} free+cached · "
                  f"{len(free)} free+empty · numbers = ref counts\nthis step: {len(s.allocated_blocks)} allocated "
-                 f"(green edge) · {len(s.freed_blocks)} freed (red edge)", fontsize=9)
+                 f"(black edge) · {len(s.freed_blocks)} freed (red edge)", fontsize=9)
     if legend:
         _legend(ax, trace, s.block_tables)
     return fig

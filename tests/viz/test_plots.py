@@ -66,7 +66,7 @@ def test_block_pool_cells_match_the_trace(kind, step):
     assert only(ax.collections, "pool-cached").get_hatch() == CACHED_HATCH
     assert blocks_of("pool-free") == sorted(empty_free)
     assert blocks_of("pool-null") == [trace.null_block_id]
-    assert blocks_of("pool-allocated") == s.allocated_blocks     # green edge: allocated in this step
+    assert blocks_of("pool-allocated") == s.allocated_blocks     # black edge: allocated in this step
     assert blocks_of("pool-freed") == s.freed_blocks             # red edge: freed in this step
     owners = s.owners(trace.num_blocks)
     palette = request_colors(trace)
