@@ -16,7 +16,8 @@
     StepExplorer(llm, scale=1.5)                  # 1.5 times bigger (more pixels, same layout)
 
 Presets (`step_figure.PRESETS`): "notebook" (default, 936 x 756 px) and
-"projector" (1600 x 1050 px, no text under 14 px when shown at its own size);
+"projector" (1600 x 900 px, no text under 14 px at that size; JupyterLab draws a
+widget image as wide as its output area, which on a 1920-pixel screen is wider);
 `scale` multiplies either; `figsize` (inches) and `dpi` override the preset's.
 
 Moving the slider redraws only the per-step plots into one reused figure and

@@ -12,7 +12,7 @@
 
 Its look comes from a preset, scaled (`look`): "notebook" (the default) or
 "projector" (for the back of a room: no text under 14 pixels when the PNG is
-shown at its own size, and at most 1600 pixels wide, to fit a 1080p screen).
+shown at its own size, and 1600 x 900 pixels, to fit a 1080p screen).
 
 The timeline is rendered once and kept as a background image (Agg "blitting");
 moving to another step clears and redraws only the other three axes and the
