@@ -25,6 +25,14 @@ never allocated, standing in where a sliding window released a block)::
     block_hashes[b]  short hex of b's prefix-cache hash if b is full and cached
     free[b]          b is in the free queue (ref count 0; may still be cached)
 
+and what the pool did DURING the step (sorted block ids; one block can be in both,
+e.g. freed by a preemption or a sliding window and handed out again at once)::
+
+    allocated_blocks  left the free queue: fresh blocks, or cached free blocks revived
+                      by a prefix-cache hit (ref count 0 -> 1)
+    freed_blocks      joined the free queue (ref count -> 0): a request finished, was
+                      preempted, or its sliding window moved past the block
+
 (the null block reports ref count 0, no hash, free=False). `Trace.check_consistency`
 states these rules as code. "step" arguments elsewhere are indices into
 `Trace.steps`; `StepTrace.step` is the engine's own step counter.
@@ -84,6 +92,8 @@ class StepTrace:
     free: list[bool] = field(default_factory=list)
     num_free_blocks: int = 0
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
+    allocated_blocks: list[int] = field(default_factory=list)
+    freed_blocks: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -304,7 +304,7 @@ class Scheduler:
         Finished requests' blocks are freed here. O(scheduled requests).
         """
         outputs: list[EngineCoreOutput] = []
-        stopped: set[str] = set()
+        stopped: dict[str, None] = {}  # in batch order (a set's order would vary with PYTHONHASHSEED)
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -322,7 +322,7 @@ class Scheduler:
                 request.append_output_token_ids(token_id)
                 appended.append(token_id)
                 if check_stop(request, self.max_model_len):
-                    stopped.add(request_id)
+                    stopped[request_id] = None
                     break
             outputs.append(EngineCoreOutput(request_id, tuple(appended), request.get_finished_reason(),
                                             request.stop_reason, max(request.num_cached_tokens, 0)))

@@ -9,12 +9,21 @@ and never changes their state::
     scheduled = tracer.begin(plan)          # the plan's requests, before the model runs
     ... run the model, scheduler.update_from_output(...) ...
     tracer.record(plan, scheduled, core_outputs, stopped)
+
+Blocks allocated and freed during the step are found by comparing three
+snapshots of the block tables and ref counts (see `pool_changes`)::
+
+    end of the previous step --schedule()--> after schedule --update_from_output()--> end of step
+                  (window releases, preemptions, then      (finished requests free
+                   allocations and prefix-cache hits)      their blocks: frees only)
 """
 
 from __future__ import annotations
 
 from microvllm.core.kv_cache_spec import SlidingWindowSpec
 from microvllm.trace import RequestStep, StepTrace, TraceSink, short_hash, step_kind
+
+Tables = dict[str, list[list[int]]]          # request id -> one block-id list per cache group
 
 
 class StepTracer:
@@ -29,6 +38,14 @@ class StepTracer:
             kv_cache_groups=["sliding_window" if isinstance(s, SlidingWindowSpec) else "full_attention"
                              for s in manager.kv_cache_groups],
             sliding_window=windows[0] if windows else None, null_block_id=pool.null_block.block_id)
+        self._after_schedule: tuple[Tables, list[int]] | None = None
+
+    def _snapshot(self) -> tuple[Tables, list[int]]:
+        """The running requests' block tables and every block's ref count, now."""
+        manager = self.scheduler.kv_cache_manager
+        tables = {r.request_id: [list(g) for g in manager.get_block_ids(r.request_id)]
+                  for r in self.scheduler.running}
+        return tables, [b.ref_cnt for b in manager.block_pool.blocks]
 
     @property
     def trace(self):
@@ -43,6 +60,7 @@ class StepTracer:
 
     def begin(self, plan) -> list[RequestStep]:
         """Describe the plan's requests as they are before the model runs."""
+        self._after_schedule = self._snapshot()
         requests = self.scheduler.requests
         scheduled = []
         for data, is_new in [(d, True) for d in plan.scheduled_new_reqs] + \
@@ -67,6 +85,10 @@ class StepTracer:
             step = self.trace.steps[-1].step + 1 if self.trace.steps else 0
         scheduler, manager = self.scheduler, self.scheduler.kv_cache_manager
         pool = manager.block_pool
+        tables, ref_cnts = self._snapshot()
+        before = (self.trace.steps[-1].block_tables, self.trace.steps[-1].ref_cnts) if self.trace.steps \
+            else ({}, [0] * pool.num_blocks)
+        allocated, freed = pool_changes(before, self._after_schedule or before, ref_cnts, pool.null_block.block_id)
         new_tokens = {o.request_id: list(o.new_token_ids) for o in core_outputs if o.new_token_ids}
         finished = {o.request_id: o.finish_reason for o in core_outputs if o.finish_reason}
         finished.update({rid: "stop" for rid in stopped})
@@ -75,11 +97,35 @@ class StepTracer:
             max_num_seqs=scheduler.max_num_seqs, scheduled=scheduled,
             preempted=sorted(plan.preempted_req_ids), finished=list(finished),
             finish_reasons=finished, waiting=[r.request_id for r in scheduler.waiting],
-            block_tables={r.request_id: [list(g) for g in manager.get_block_ids(r.request_id)]
-                          for r in scheduler.running},
-            ref_cnts=[b.ref_cnt for b in pool.blocks],
+            block_tables=tables, ref_cnts=ref_cnts,
             block_hashes=[short_hash(b.block_hash) if b.block_hash is not None else None
                           for b in pool.blocks],
             free=[b.ref_cnt == 0 and not b.is_null for b in pool.blocks],
             num_free_blocks=pool.get_num_free_blocks(),
-            new_tokens=new_tokens))
+            new_tokens=new_tokens, allocated_blocks=allocated, freed_blocks=freed))
+
+
+def pool_changes(before: tuple[Tables, list[int]], after_schedule: tuple[Tables, list[int]],
+                 ref_cnts_at_end: list[int], null_block_id: int) -> tuple[list[int], list[int]]:
+    """(allocated, freed) block ids of one step, from three snapshots (module docstring).
+
+    An entry is (request, group, logical index) -> block. During schedule() every
+    release (sliding window, preemption) happens before any prefix-cache hit takes
+    a reference, and the pool hands out only free blocks, so:
+
+        freed while scheduling  a block whose every entry before the step was dropped
+        allocated               a block in a new entry that was free before the step
+                                or was freed while scheduling
+        freed at the end        in use after schedule(), free at the end (finished requests)
+    """
+    def entries(tables: Tables) -> set[tuple[str, int, int, int]]:
+        return {(rid, g, j, b) for rid, groups in tables.items() for g, table in enumerate(groups)
+                for j, b in enumerate(table) if b != null_block_id}
+
+    (tables_before, ref_before), (tables_mid, ref_mid) = before, after_schedule
+    old, mid = entries(tables_before), entries(tables_mid)
+    kept = {e[3] for e in old & mid}
+    freed = {e[3] for e in old - mid} - kept
+    allocated = {e[3] for e in mid - old if ref_before[e[3]] == 0 or e[3] in freed}
+    freed |= {b for b, (n_mid, n_end) in enumerate(zip(ref_mid, ref_cnts_at_end)) if n_mid > 0 and n_end == 0}
+    return sorted(allocated), sorted(freed)

@@ -2,10 +2,13 @@
 
     plot_block_pool(trace, step)     the pool as a grid: owner, ref count, cached-free, null block
     plot_block_tables(trace, step)   each running request's logical -> physical block table
-    plot_batch(trace, step)          the step's tokens per request against the token budget
+    plot_batch(trace, step)          the step's tokens per request against the token budget (runner order)
+    plot_queues(trace, step)         the step's requests by queue: running, waiting (in order), finished,
+                                     preempted; one chip per request in its colour (the legend)
     plot_timeline(trace, step=None)  the whole run: tokens per step, budget, free blocks, preemptions
     plot_step(trace, step)           all of the above in one figure
-    StepExplorer(trace)              Play button + slider over the steps (ipywidgets)
+    StepExplorer(llm_or_trace)       Play button + slider over the steps (ipywidgets);
+                                     preset="projector" and scale=1.5 for a big screen
     demo_trace(kind)                 small traces from the real scheduler, no model needed
 
 `step` is always an index into `trace.steps`. Every plot returns a
@@ -18,9 +21,10 @@ from microvllm.viz.block_table import plot_block_tables
 from microvllm.viz.colors import request_colors
 from microvllm.viz.demo import demo_trace, large_demo_trace
 from microvllm.viz.explorer import StepExplorer
+from microvllm.viz.queues import plot_queues
 from microvllm.viz.step_figure import plot_step
 from microvllm.viz.summary import describe_step
 from microvllm.viz.timeline import plot_timeline
 
 __all__ = ["StepExplorer", "demo_trace", "describe_step", "large_demo_trace", "plot_batch", "plot_block_pool",
-           "plot_block_tables", "plot_step", "plot_timeline", "request_colors"]
+           "plot_block_tables", "plot_queues", "plot_step", "plot_timeline", "request_colors"]

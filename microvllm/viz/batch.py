@@ -1,16 +1,21 @@
 """The batch of one step: who got how many of the step's token budget.
 
     tokens  0        10        20        30 |budget 32
-    r0      [##########]                    prefill 10 (new, +8 cached)
-    r1                 [.]                  decode 1
+    r1      [▒]                             decode 1
+    r0       [##########]                   prefill 10 (new, +8 cached)
     r2                  [#########]         prefill 9 (chunk)
     r3      ✕ preempted
 
-The bars are stacked end to end, one row per scheduled request, so their total
-length is the step's scheduled tokens and the red line is the budget
-(max_num_batched_tokens). Prefill chunks are solid, decode tokens faint with a
-black outline. Bars carry gids `batch-<request>-<kind>`; the budget line is
-`budget`; markers `prefix-hits` and `preempted`; row labels `batch-labels`.
+Rows are in the model runner's order (`runner_order`): the order of the requests'
+tokens in the flattened input batch (`input_ids`, `query_start_loc`), which is
+the order notebook 07 prints. The bars are stacked end to end, so a bar starts
+at its request's first row in `input_ids`, their total length is the step's
+scheduled tokens and the red line is the budget (max_num_batched_tokens).
+Prefill chunks are solid, decode tokens faint with a black outline. A bar is
+drawn at least `MIN_BAR_FRACTION` of the axis wide, so that one decode token
+stays visible on a budget of thousands (the label says the true count).
+Bars carry gids `batch-<request>-<kind>`; the budget line is `budget`; markers
+`prefix-hits` and `preempted`; row labels `batch-labels`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,20 @@ from microvllm.viz import colors
 from microvllm.viz.canvas import figure_and_axes
 from microvllm.viz.cell_labels import add_cell_labels, label_width_points
 from microvllm.viz.summary import scheduled_before
+
+
+MIN_BAR_FRACTION = 0.02          # of the x axis: the narrowest bar drawn
+
+
+def runner_order(scheduled: list[RequestStep]) -> list[RequestStep]:
+    """The step's requests in the model runner's batch order (`ModelRunner._prepare_inputs`).
+
+    The plan lists newly scheduled requests, then running ones (the trace keeps
+    that order in `StepTrace.scheduled`); the runner then moves the one-token
+    requests (decodes) to the front, keeping the plan's order within each group,
+    as vLLM's `reorder_batch` does.
+    """
+    return sorted(scheduled, key=lambda r: r.num_scheduled_tokens != 1)
 
 
 def describe_request_step(r: RequestStep, resumed: bool = False) -> str:
@@ -45,26 +64,30 @@ def describe_request_step(r: RequestStep, resumed: bool = False) -> str:
 def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
     """Draw step *index* `step`'s batch against its token budget."""
     s = trace[step]
-    rows = len(s.scheduled) + len(s.preempted)
+    batch = runner_order(s.scheduled)
+    rows = len(batch) + len(s.preempted)
     standalone = ax is None
     fig, ax = figure_and_axes(ax, (8, 1.6 + 0.35 * max(1, rows)), layout=None)
     palette = colors.request_colors(trace)
     seen_before = scheduled_before(trace, step)
-    widths = [r.num_scheduled_tokens for r in s.scheduled]
-    lefts = [sum(widths[:k]) for k in range(len(widths))]
+    tokens = [r.num_scheduled_tokens for r in batch]
+    lefts = [sum(tokens[:k]) for k in range(len(tokens))]
+    x_max = max(s.token_budget, sum(tokens)) * 1.04
+    widths = [max(n, MIN_BAR_FRACTION * x_max) for n in tokens]
     faces = [to_rgba(palette.get(r.request_id, colors.UNKNOWN_COLOR), colors.DECODE_ALPHA if r.kind == "decode"
-                     else 1.0) for r in s.scheduled]
+                     else 1.0) for r in batch]
     bars = ax.barh(range(len(widths)), widths, left=lefts, height=0.7, color=faces, linewidth=0.5,
-                   edgecolor=["black" if r.kind == "decode" else face for r, face in zip(s.scheduled, faces)])
-    for bar, r in zip(bars, s.scheduled):
+                   edgecolor=["black" if r.kind == "decode" else face for r, face in zip(batch, faces)])
+    for bar, r in zip(bars, batch):
         bar.set_gid(f"batch-{r.request_id}-{r.kind}")
-    hits = [(left, y) for y, (left, r) in enumerate(zip(lefts, s.scheduled)) if r.prefix_hit_tokens]
+        bar.num_tokens = r.num_scheduled_tokens          # the true width (a bar is drawn at least MIN_BAR_FRACTION)
+    hits = [(left, y) for y, (left, r) in enumerate(zip(lefts, batch)) if r.prefix_hit_tokens]
     ax.plot([x for x, _ in hits], [y for _, y in hits], marker="*", markersize=12, color="#f5b800",
             markeredgecolor="black", linestyle="none", clip_on=False, gid="prefix-hits")
-    first = len(s.scheduled)
+    first = len(batch)
     ax.plot([0] * len(s.preempted), range(first, first + len(s.preempted)), marker="X", markersize=10,
             color=colors.PREEMPT_COLOR, linestyle="none", clip_on=False, gid="preempted")
-    labels = [f"{r.request_id}: {describe_request_step(r, r.request_id in seen_before)}" for r in s.scheduled]
+    labels = [f"{r.request_id}: {describe_request_step(r, r.request_id in seen_before)}" for r in batch]
     labels += [f"{rid}: preempted (blocks freed, re-queued)" for rid in s.preempted]
     if standalone:                                  # leave room on the left for the labels
         width, height = fig.get_size_inches()
@@ -74,14 +97,14 @@ def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
     left_of_axes = offset_copy(ax.get_yaxis_transform(), fig=fig, x=-9, units="points")
     add_cell_labels(ax, [(0, y) for y in range(rows)], labels, min(8, 0.75 * row_height), "black",
                     "batch-labels", align="right", transform=left_of_axes, clip=False)
-    start = sum(widths)
+    start = sum(tokens)
     ax.axvline(s.token_budget, color=colors.BUDGET_COLOR, linestyle="--", linewidth=1.5, gid="budget")
     ax.text(s.token_budget, 1.0, f"budget {s.token_budget}", color=colors.BUDGET_COLOR, fontsize=8,
             va="bottom", ha="right", transform=ax.get_xaxis_transform())
     ax.set_yticks([])
     ax.set_ylim(max(rows, 1) - 0.4, -0.8)
-    ax.set_xlim(0, max(s.token_budget, start) * 1.04)
-    ax.set_xlabel("tokens in this step", fontsize=8)
+    ax.set_xlim(0, x_max)
+    ax.set_xlabel("tokens in this step (runner's batch order)", fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     for spine in ("top", "right"):
         ax.spines[spine].set_visible(False)

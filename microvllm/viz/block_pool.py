@@ -5,9 +5,13 @@
     hatched  free but still cached: a prefix-cache hit waiting to happen
     grey     free and empty
     dark     block 0, the null block (never allocated; stands in for released blocks)
+    black    edge: allocated in this step (fresh, or a cached block revived by a hit)
+    red      inner edge: freed in this step (finished, preempted, or left a sliding window);
+             a block can have both: freed and handed out again in the same step
 
 Cells of one kind form one collection (fast to draw), with gids `pool-owned`
-(one polygon per stripe), `pool-cached`, `pool-free`, `pool-null`; the cell at
+(one polygon per stripe), `pool-cached`, `pool-free`, `pool-null`, and the
+outlines `pool-allocated`, `pool-freed`; the cell at
 column x, row y is block ``y * grid_columns(num_blocks) + x``. The ref counts are
 one label collection, gid `pool-ref-counts` (see `cell_labels`). Tests read the
 picture back through these.
@@ -74,6 +78,11 @@ def plot_block_pool(trace: Trace, step: int, ax: Axes | None = None, *, legend: 
     grid = [_cell(b % ncols, b // ncols) for b in range(n) if b != trace.null_block_id]
     ax.add_collection(PolyCollection(grid, facecolors="none", edgecolors="white", linewidths=1.5,
                                      gid="pool-grid"), autolim=False)
+    for gid, blocks, color, inset in (("pool-allocated", s.allocated_blocks, colors.ALLOCATED_COLOR, 0.06),
+                                      ("pool-freed", s.freed_blocks, colors.FREED_COLOR, 0.2)):
+        outlines = [_cell(b % ncols + inset, b // ncols + inset, 1 - 2 * inset, 1 - 2 * inset) for b in blocks]
+        ax.add_collection(PolyCollection(outlines, facecolors="none", edgecolors=color, linewidths=2.5, gid=gid,
+                                         zorder=2.5), autolim=False)
     add_cell_labels(ax, refs[0], refs[1], min(side * 0.42, 13), refs[2], "pool-ref-counts", bold=True)
     add_cell_labels(ax, ids[0], ids[1], min(side * 0.17, 6.5), "#444444", "pool-block-ids")
     ax.set_xlim(0, ncols)
@@ -82,14 +91,15 @@ def plot_block_pool(trace: Trace, step: int, ax: Axes | None = None, *, legend: 
     ax.set_axis_off()
     in_use = len(refs[1])
     ax.set_title(f"Block pool after step {s.step}\n{in_use} in use · {len(cached)} free+cached · "
-                 f"{len(free)} free+empty · numbers = ref counts", fontsize=9)
+                 f"{len(free)} free+empty · numbers = ref counts\nthis step: {len(s.allocated_blocks)} allocated "
+                 f"(black edge) · {len(s.freed_blocks)} freed (red edge)", fontsize=9)
     if legend:
         _legend(ax, trace, s.block_tables)
     return fig
 
 
-def _cell(x: float, y: float, width: float = 1.0) -> list[tuple[float, float]]:
-    return [(x, y), (x + width, y), (x + width, y + 1), (x, y + 1)]
+def _cell(x: float, y: float, width: float = 1.0, height: float = 1.0) -> list[tuple[float, float]]:
+    return [(x, y), (x + width, y), (x + width, y + height), (x, y + height)]
 
 
 def _add(ax: Axes, cells: list, facecolors, gid: str, **style) -> None:
@@ -105,5 +115,7 @@ def _legend(ax: Axes, trace: Trace, block_tables: dict) -> None:
     handles += [Patch(facecolor=colors.CACHED_COLOR, edgecolor="#888888", hatch=colors.CACHED_HATCH,
                       label="free, cached"),
                 Patch(facecolor=colors.FREE_COLOR, label="free, empty"),
-                Patch(facecolor=colors.NULL_COLOR, label="null block")]
+                Patch(facecolor=colors.NULL_COLOR, label="null block"),
+                Patch(facecolor="none", edgecolor=colors.ALLOCATED_COLOR, linewidth=2.5, label="allocated this step"),
+                Patch(facecolor="none", edgecolor=colors.FREED_COLOR, linewidth=2.5, label="freed this step")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)

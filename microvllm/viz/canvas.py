@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 
 def new_figure(figsize: tuple[float, float], dpi: int = 100, layout: str | None = "constrained") -> Figure:
@@ -41,3 +44,25 @@ def reset_axes(ax: Axes) -> None:
         artist.remove()
     if ax.get_legend() is not None:
         ax.get_legend().remove()
+
+
+def enlarge_small_text(artist: Artist, min_fontsize: float) -> None:
+    """Raise every text under `artist` (a figure or axes) to at least `min_fontsize` points:
+    titles, legends, tick labels, and label collections (`cell_labels`, sized fontsize**2).
+
+    Label collections were sized to fit their cells or rows; one under half the minimum
+    would overlap its neighbours once enlarged, so it is hidden instead (a big trace on a
+    projector keeps its colours, and loses the numbers that cannot be read anyway).
+    """
+    for ax in [artist] if isinstance(artist, Axes) else getattr(artist, "axes", []):
+        ticks = ax.xaxis.get_ticklabels() + ax.yaxis.get_ticklabels()
+        if any(t.get_fontsize() < min_fontsize for t in ticks):
+            ax.tick_params(labelsize=max(min_fontsize, *(t.get_fontsize() for t in ticks)))
+    for text in artist.findobj(Text):
+        if text.get_fontsize() < min_fontsize:
+            text.set_fontsize(min_fontsize)
+    for labels in artist.findobj(lambda a: hasattr(a, "labels") and hasattr(a, "set_sizes")):
+        sizes = labels.get_sizes()
+        if len(sizes) and sizes.max() < (min_fontsize / 2) ** 2:
+            labels.set_visible(False)
+        labels.set_sizes(np.maximum(sizes, min_fontsize**2))

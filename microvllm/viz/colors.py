@@ -20,6 +20,8 @@ NULL_COLOR = "#303030"        # the null block 0
 UNKNOWN_COLOR = "#8c8c8c"     # held (ref count > 0) but by no block table in the trace
 BUDGET_COLOR = "#d62728"
 PREEMPT_COLOR = "#d62728"
+ALLOCATED_COLOR = "#000000"    # edge of a block allocated in this step (no request is black)
+FREED_COLOR = "#d62728"        # inner edge of a block freed in this step
 DECODE_ALPHA = 0.45           # decode tokens are drawn fainter than prefill tokens
 
 

@@ -7,9 +7,18 @@
     | block pool | batch  /  block tables  /  timeline |   (one PNG, redrawn per step)
     +--------------------------------------------+
 
-    explorer = StepExplorer(llm.trace)            # or StepExplorer.from_json("run.json")
+    explorer = StepExplorer(llm)                  # an LLM made with trace=True, or its llm.trace,
+                                                  # or StepExplorer.from_json("run.json")
     explorer                                      # the widget (needs a live kernel)
     explorer.show_static(14)                      # a plain matplotlib Figure of step 14
+
+    StepExplorer(llm, preset="projector")         # for the back of a room: text >= 14 px, fits 1080p
+    StepExplorer(llm, scale=1.5)                  # 1.5 times bigger (more pixels, same layout)
+
+Presets (`step_figure.PRESETS`): "notebook" (default, 936 x 756 px) and
+"projector" (1600 x 900 px, no text under 14 px at that size; JupyterLab draws a
+widget image as wide as its output area, which on a 1920-pixel screen is wider);
+`scale` multiplies either; `figsize` (inches) and `dpi` override the preset's.
 
 Moving the slider redraws only the per-step plots into one reused figure and
 sends a PNG to an `ipywidgets.Image`. Without a kernel (an exported notebook,
@@ -27,15 +36,23 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from microvllm.trace import Trace
-from microvllm.viz.step_figure import StepFigure, plot_step
+from microvllm.viz.step_figure import StepFigure, look, plot_step
 from microvllm.viz.summary import describe_step
 
 
 class StepExplorer:
-    def __init__(self, trace: Trace, *, step: int = 0, interval_ms: int = 800,
-                 figsize: tuple[float, float] = (13, 10), dpi: int = 72) -> None:
+    def __init__(self, llm_or_trace, *, step: int = 0, interval_ms: int = 800, preset: str = "notebook",
+                 scale: float = 1.0, figsize: tuple[float, float] | None = None, dpi: float | None = None) -> None:
+        trace = getattr(llm_or_trace, "trace", llm_or_trace)      # an LLM (or engine) carries .trace
+        if not isinstance(trace, Trace):
+            raise TypeError(f"StepExplorer needs a Trace or an LLM made with trace=True, got "
+                            f"{type(llm_or_trace).__name__}" + (" whose trace is None: pass trace=True to LLM(...)"
+                                                                 if trace is None else ""))
         self.trace = trace
-        self.figure = StepFigure(trace, figsize=figsize, dpi=dpi)
+        self.look = look(preset, scale, figsize, dpi)
+        self.preset, self.scale = preset, scale
+        self.figure = StepFigure(trace, figsize=self.look.figsize, dpi=self.look.dpi,
+                                 min_fontsize=self.look.min_fontsize)
         last = len(trace) - 1
         self.play = widgets.Play(value=step, min=0, max=last, interval=interval_ms, description="Play",
                                  layout=widgets.Layout(width="auto"))
@@ -75,7 +92,7 @@ class StepExplorer:
         It displays like any figure (`%matplotlib inline`) and survives export to
         HTML and nbval, where the live widget cannot redraw.
         """
-        return plot_step(self.trace, self.step if step is None else step)
+        return plot_step(self.trace, self.step if step is None else step, preset=self.preset, scale=self.scale)
 
     def show(self) -> None:
         from IPython.display import display

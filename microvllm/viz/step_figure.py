@@ -1,12 +1,18 @@
-"""All four plots of one step in one figure, built once and redrawn per step.
+"""All the plots of one step in one figure, built once and redrawn per step.
 
     +----------------------+------------------+
     |  block pool          |  batch of step   |
+    |                      +------------------+
+    |                      |  requests/queues |
     +----------------------+------------------+
     |  block tables                           |
     +-----------------------------------------+
     |  timeline (cursor on this step)         |
     +-----------------------------------------+
+
+Its look comes from a preset, scaled (`look`): "notebook" (the default) or
+"projector" (for the back of a room: no text under 14 pixels when the PNG is
+shown at its own size, and 1600 x 900 pixels, to fit a 1080p screen).
 
 The timeline is rendered once and kept as a background image (Agg "blitting");
 moving to another step clears and redraws only the other three axes and the
@@ -16,6 +22,7 @@ timeline's cursor on top of that background, then encodes the PNG.
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 
 import PIL.Image
 from matplotlib.figure import Figure
@@ -27,42 +34,83 @@ from microvllm.viz import colors
 from microvllm.viz.batch import plot_batch
 from microvllm.viz.block_pool import plot_block_pool
 from microvllm.viz.block_table import plot_block_tables
-from microvllm.viz.canvas import new_figure, reset_axes
+from microvllm.viz.canvas import enlarge_small_text, new_figure, reset_axes
+from microvllm.viz.queues import plot_queues
 from microvllm.viz.timeline import move_cursor, plot_timeline
 
 
+@dataclass(frozen=True)
+class Look:
+    """Size of the step figure: inches, pixels per inch, and the smallest text in pixels."""
+
+    figsize: tuple[float, float]
+    dpi: float
+    min_text_px: float | None = None      # None: the plots' own sizes (down to ~6 points)
+
+    @property
+    def min_fontsize(self) -> float | None:
+        """The smallest text in points (1 point = dpi / 72 pixels)."""
+        return None if self.min_text_px is None else self.min_text_px * 72 / self.dpi
+
+
+PRESETS = {"notebook": Look((13, 10.5), 72),
+           "projector": Look((16, 9), 100, min_text_px=14)}
+
+
+def look(preset: str = "notebook", scale: float = 1.0, figsize: tuple[float, float] | None = None,
+         dpi: float | None = None) -> Look:
+    """A preset's look, `scale` times bigger on screen (more pixels per inch, same layout)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: choose one of {list(PRESETS)}")
+    if scale <= 0:
+        raise ValueError(f"scale is {scale}: it multiplies the picture's size, use a number > 0 (e.g. 1.5)")
+    base = PRESETS[preset]
+    return Look(figsize or base.figsize, (dpi or base.dpi) * scale,
+                None if base.min_text_px is None else base.min_text_px * scale)
+
+
 class StepFigure:
-    def __init__(self, trace: Trace, *, figsize: tuple[float, float] = (13, 10), dpi: int = 72) -> None:
+    def __init__(self, trace: Trace, *, figsize: tuple[float, float] = (13, 10.5), dpi: float = 72,
+                 min_fontsize: float | None = None) -> None:
         if len(trace) == 0:
             raise ValueError("the trace has no steps: record a run with trace=True first")
         self.trace = trace
+        self.min_fontsize = min_fontsize
         self.figure = new_figure(figsize, dpi=dpi, layout=None)   # fixed layout: no re-layout per step
-        grid = self.figure.add_gridspec(3, 2, height_ratios=[3.0, 2.0, 1.6], width_ratios=[1.0, 1.0],
-                                        left=0.07, right=0.94, top=0.94, bottom=0.08, hspace=0.42, wspace=0.42)
-        self.pool_ax = self.figure.add_subplot(grid[0, 0])
+        grid = self.figure.add_gridspec(4, 2, height_ratios=[1.9, 1.2, 2.0, 1.6], width_ratios=[1.0, 1.0],
+                                        left=0.07, right=0.94, top=0.93, bottom=0.11, hspace=0.6, wspace=0.42)
+        self.pool_ax = self.figure.add_subplot(grid[0:2, 0])
         self.batch_ax = self.figure.add_subplot(grid[0, 1])
-        self.tables_ax = self.figure.add_subplot(grid[1, :])
-        self.timeline_ax = self.figure.add_subplot(grid[2, :])
+        self.queues_ax = self.figure.add_subplot(grid[1, 1])
+        self.tables_ax = self.figure.add_subplot(grid[2, :])
+        self.timeline_ax = self.figure.add_subplot(grid[3, :])
+        self.dynamic_axes = (self.pool_ax, self.batch_ax, self.queues_ax, self.tables_ax)
         plot_timeline(trace, 0, ax=self.timeline_ax, legend=False)
         self._legend()
+        if min_fontsize:
+            enlarge_small_text(self.figure, min_fontsize)
         self.step: int | None = None
         self._background = None          # pixels of the static part (timeline, legend)
 
     def draw(self, step: int) -> Figure:
         """Show step *index* `step`; returns the (same) figure."""
-        for ax in (self.pool_ax, self.batch_ax, self.tables_ax):
+        for ax in self.dynamic_axes:
             reset_axes(ax)
         plot_block_pool(self.trace, step, ax=self.pool_ax, legend=False)
         plot_batch(self.trace, step, ax=self.batch_ax)
+        plot_queues(self.trace, step, ax=self.queues_ax)
         plot_block_tables(self.trace, step, ax=self.tables_ax)
         move_cursor(self.timeline_ax, self.trace, step)
+        if self.min_fontsize:
+            for ax in self.dynamic_axes:
+                enlarge_small_text(ax, self.min_fontsize)
         self.step = step
         return self.figure
 
     def png(self) -> bytes:
         """The figure as PNG bytes; after the first call only the per-step axes are redrawn."""
         canvas = self.figure.canvas
-        dynamic = (self.pool_ax, self.batch_ax, self.tables_ax)
+        dynamic = self.dynamic_axes
         cursor = next(line for line in self.timeline_ax.lines if line.get_gid() == "cursor")
         if self._background is None:
             for artist in (*dynamic, cursor):
@@ -93,11 +141,19 @@ class StepFigure:
                    Line2D([], [], color=colors.BUDGET_COLOR, linestyle="--", label="token budget"),
                    Line2D([], [], marker="*", color="#f5b800", markeredgecolor="black", linestyle="none",
                           label="prefix-cache hit"),
-                   Line2D([], [], marker="X", color=colors.PREEMPT_COLOR, linestyle="none", label="preempted")]
-        self.figure.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8,
+                   Line2D([], [], marker="X", color=colors.PREEMPT_COLOR, linestyle="none", label="preempted"),
+                   Patch(facecolor="none", edgecolor=colors.ALLOCATED_COLOR, linewidth=2.5,
+                         label="allocated this step"),
+                   Patch(facecolor="none", edgecolor=colors.FREED_COLOR, linewidth=2.5, label="freed this step")]
+        self.figure.legend(handles=handles, loc="lower center", ncols=(len(handles) + 1) // 2, fontsize=8,
                            frameon=False)
 
 
-def plot_step(trace: Trace, step: int, *, figsize: tuple[float, float] = (13, 10)) -> Figure:
-    """A new figure with every plot of step *index* `step` (for static notebooks)."""
-    return StepFigure(trace, figsize=figsize, dpi=100).draw(step)
+def plot_step(trace: Trace, step: int, *, figsize: tuple[float, float] | None = None, preset: str = "notebook",
+              scale: float = 1.0, dpi: float | None = None) -> Figure:
+    """A new figure with every plot of step *index* `step` (for static notebooks).
+
+    `preset` and `scale` as for `StepExplorer`; a static figure defaults to 100 dpi.
+    """
+    chosen = look(preset, scale, figsize, dpi or max(100, PRESETS[preset].dpi))
+    return StepFigure(trace, figsize=chosen.figsize, dpi=chosen.dpi, min_fontsize=chosen.min_fontsize).draw(step)

@@ -27,6 +27,11 @@ def describe_step(trace: Trace, step: int) -> list[str]:
                      + ": blocks freed, full ones stay cached.")
     if s.waiting:
         lines.append("Waiting: " + ", ".join(s.waiting[:12]) + (" …" if len(s.waiting) > 12 else "") + ".")
+    if s.allocated_blocks:
+        lines.append(f"Allocated: block(s) {_ids(s.allocated_blocks)}.")
+    if s.freed_blocks:
+        lines.append("Freed: " + "; ".join(f"block(s) {_ids(blocks)} ({why})"
+                                           for why, blocks in freed_blocks_by_reason(trace, step).items()) + ".")
     cached_free = sum(1 for b, free in enumerate(s.free) if free and s.block_hashes[b] is not None)
     shared = sum(1 for b, n in enumerate(s.ref_cnts) if n > 1)
     lines.append(f"Pool: {s.num_free_blocks} of {trace.num_blocks - 1} blocks free ({cached_free} still cached), "
@@ -37,3 +42,34 @@ def describe_step(trace: Trace, step: int) -> list[str]:
 def scheduled_before(trace: Trace, step: int) -> set[str]:
     """Request ids scheduled in any earlier step."""
     return {r.request_id for s in trace.steps[:step] for r in s.scheduled}
+
+
+def freed_blocks_by_reason(trace: Trace, step: int) -> dict[str, list[int]]:
+    """Step *index* `step`'s freed blocks, grouped by why their last holder let go:
+    it finished, it was preempted, or (still running) its sliding window moved past them."""
+    s = trace[step]
+    before = trace[step - 1].block_tables if step > 0 else {}
+    holders: dict[int, list[str]] = {}
+    for rid, tables in before.items():
+        for table in tables:
+            for b in table:
+                holders.setdefault(b, []).append(rid)
+    reasons: dict[str, list[int]] = {}
+    for b in s.freed_blocks:
+        rids = holders.get(b, [])
+        if any(rid in s.finished for rid in rids):
+            why = f"{', '.join(r for r in rids if r in s.finished)} finished"
+        elif any(rid in s.preempted for rid in rids):
+            why = f"{', '.join(r for r in rids if r in s.preempted)} preempted"
+        elif trace.sliding_window and any(rid in s.block_tables for rid in rids):
+            why = f"left the {trace.sliding_window}-token sliding window"
+        elif not rids and b in s.allocated_blocks:
+            why = "allocated and freed within this step"
+        else:
+            why = "released"
+        reasons.setdefault(why, []).append(b)
+    return reasons
+
+
+def _ids(blocks: list[int]) -> str:
+    return ", ".join(map(str, blocks))

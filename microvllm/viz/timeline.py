@@ -6,7 +6,7 @@
          ██ ▓▓ ▒ ▒ ▒ ▒ ▒ ▒ ▒ ▒ ...
          step 0  1  2  ...
 
-One column per step, stacked by request in schedule order: solid = prefill
+One column per step, stacked by request in the runner's batch order (`batch.runner_order`): solid = prefill
 tokens, faint = decode tokens; the colour is the request's. When requests arrive
 over time (a server), △ under the axis marks each arrival and ● its first token. Gids: collections
 `timeline-prefill` and `timeline-decode` (one rectangle per request and step),
@@ -24,6 +24,7 @@ from matplotlib.ticker import MaxNLocator
 
 from microvllm.trace import Trace
 from microvllm.viz import colors
+from microvllm.viz.batch import runner_order
 from microvllm.viz.canvas import figure_and_axes
 
 
@@ -36,7 +37,7 @@ def plot_timeline(trace: Trace, step: int | None = None, ax: Axes | None = None,
     bars: dict[str, tuple[list, list]] = {"prefill": ([], []), "decode": ([], [])}
     for s in trace:                       # one rectangle per (step, request), stacked
         bottom = 0
-        for r in s.scheduled:
+        for r in runner_order(s.scheduled):
             top = bottom + r.num_scheduled_tokens
             x0, x1 = s.step - 0.4, s.step + 0.4
             polygons, faces = bars[r.kind]

@@ -240,6 +240,21 @@ def test_step_explorer_slider_redraws_in_chromium(tmp_path):
             target = README_IMAGE if os.environ.get("MICROVLLM_UPDATE_README_IMAGE") else \
                 ARTIFACTS / "step_explorer_widget.png"
             save_small_png(widget_png, target)
+
+            # The projector preset on a 1080p screen: drawn at least at its own size (the output area
+            # may stretch it to its width, never shrink it), so no text under 14 px.
+            page.set_viewport_size({"width": 1920, "height": 1080})
+            page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')"
+                          " .catch(() => null)")
+            projector = page.locator("img.widget-image").nth(1)
+            projector.scroll_into_view_if_needed()
+            wait_until("the projector widget's image", lambda: projector.evaluate(
+                "img => img.complete && img.naturalWidth > 0"), deadline)
+            page.wait_for_timeout(300)                      # let the left area finish closing
+            natural, shown = projector.evaluate("img => [img.naturalWidth, img.clientWidth]")
+            projector.screenshot(path=str(ARTIFACTS / "step_explorer_projector_browser.png"))
+            assert natural == 1600 and shown >= natural, f"projector image {natural} px wide shown at {shown} px"
+            print(f"\nprojector preset on a 1920 x 1080 page: {natural} px image shown {shown} px wide")
             browser.close()
         elapsed = time.monotonic() - start
         print(f"\nbrowser test: explorer rendered and redrew in Chromium in {elapsed:.1f} s")

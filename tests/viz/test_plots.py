@@ -8,6 +8,7 @@ from matplotlib.colors import to_hex
 
 from microvllm.viz import (plot_batch, plot_block_pool, plot_block_tables, plot_step, plot_timeline,
                            request_colors)
+from microvllm.viz.batch import MIN_BAR_FRACTION, runner_order
 from microvllm.viz.block_pool import grid_columns
 from microvllm.viz.canvas import figure_to_png
 from microvllm.viz.colors import CACHED_HATCH, DECODE_ALPHA
@@ -65,6 +66,8 @@ def test_block_pool_cells_match_the_trace(kind, step):
     assert only(ax.collections, "pool-cached").get_hatch() == CACHED_HATCH
     assert blocks_of("pool-free") == sorted(empty_free)
     assert blocks_of("pool-null") == [trace.null_block_id]
+    assert blocks_of("pool-allocated") == s.allocated_blocks     # black edge: allocated in this step
+    assert blocks_of("pool-freed") == s.freed_blocks             # red edge: freed in this step
     owners = s.owners(trace.num_blocks)
     palette = request_colors(trace)
     stripes = hexes(only(ax.collections, "pool-owned"), len(owned))
@@ -121,24 +124,27 @@ def test_sliding_window_tables_show_released_blocks():
 def test_batch_bars_add_up_to_the_scheduled_tokens(kind, step):
     trace = TRACES[kind]
     s = trace[step]
+    batch = runner_order(s.scheduled)
     ax = plot_batch(trace, step).axes[0]
     bars = [p for p in ax.patches if (p.get_gid() or "").startswith("batch-")]
-    assert [p.get_gid() for p in bars] == [f"batch-{r.request_id}-{r.kind}" for r in s.scheduled]
-    assert [p.get_width() for p in bars] == [r.num_scheduled_tokens for r in s.scheduled]
-    assert sum(p.get_width() for p in bars) == s.num_scheduled_tokens
+    assert [p.get_gid() for p in bars] == [f"batch-{r.request_id}-{r.kind}" for r in batch]
+    assert [p.num_tokens for p in bars] == [r.num_scheduled_tokens for r in batch]
+    assert sum(p.num_tokens for p in bars) == s.num_scheduled_tokens
+    minimum = MIN_BAR_FRACTION * ax.get_xlim()[1]
+    assert [p.get_width() for p in bars] == [max(r.num_scheduled_tokens, minimum) for r in batch]
     starts = [p.get_x() for p in bars]
-    assert starts == [sum(r.num_scheduled_tokens for r in s.scheduled[:k]) for k in range(len(bars))]  # stacked
-    assert [p.get_facecolor()[3] == DECODE_ALPHA for p in bars] == [r.kind == "decode" for r in s.scheduled]
+    assert starts == [sum(r.num_scheduled_tokens for r in batch[:k]) for k in range(len(bars))]  # stacked
+    assert [p.get_facecolor()[3] == DECODE_ALPHA for p in bars] == [r.kind == "decode" for r in batch]
     palette = request_colors(trace)
-    assert [to_hex(p.get_facecolor(), keep_alpha=False) for p in bars] == [palette[r.request_id] for r in s.scheduled]
+    assert [to_hex(p.get_facecolor(), keep_alpha=False) for p in bars] == [palette[r.request_id] for r in batch]
     budget = only(ax.lines, "budget")
     assert list(budget.get_xdata()) == [s.token_budget] * 2 and budget.get_linestyle() == "--"
     rows_preempted = list(only(ax.lines, "preempted").get_ydata())
-    assert rows_preempted == list(range(len(s.scheduled), len(s.scheduled) + len(s.preempted)))
+    assert rows_preempted == list(range(len(batch), len(batch) + len(s.preempted)))
     hits = list(only(ax.lines, "prefix-hits").get_ydata())
-    assert hits == [y for y, r in enumerate(s.scheduled) if r.prefix_hit_tokens]
+    assert hits == [y for y, r in enumerate(batch) if r.prefix_hit_tokens]
     labels = only(ax.collections, "batch-labels").labels
-    assert [label.split(":")[0] for label in labels] == [r.request_id for r in s.scheduled] + s.preempted
+    assert [label.split(":")[0] for label in labels] == [r.request_id for r in batch] + s.preempted
 
 
 def test_batch_labels_say_prefill_decode_hits_and_preemption():
@@ -150,7 +156,7 @@ def test_batch_labels_say_prefill_decode_hits_and_preemption():
 
     prefix = TRACES["prefix"]                                  # r1: 12 + 10 prompt tokens, 12 of them cached
     r1_admitted = first_step(prefix, lambda s: any(r.request_id == "r1" for r in s.scheduled))
-    assert labels(prefix, r1_admitted) == ["r1: prefill 10 (new, +12 cached)", "r0: decode 1"]
+    assert labels(prefix, r1_admitted) == ["r0: decode 1", "r1: prefill 10 (new, +12 cached)"]  # runner order
     trace = TRACES["preemption"]
     preempted_at = trace.preemption_steps()[0]
     rid = trace[preempted_at].preempted[0]
@@ -182,7 +188,8 @@ def test_timeline_columns_add_up_and_mark_budget_free_blocks_and_preemptions(kin
     for s in trace:
         column = sorted(per_step[s.step])
         assert sum(height for _, height, _, _ in column) == s.num_scheduled_tokens
-        assert [(face, k) for _, _, face, k in column] == [(palette[r.request_id], r.kind) for r in s.scheduled]
+        assert [(face, k) for _, _, face, k in column] == [(palette[r.request_id], r.kind)
+                                                           for r in runner_order(s.scheduled)]
     assert set(only(ax.lines, "budget").get_ydata()) == {trace.max_num_batched_tokens}
     assert list(only(free_axis.lines, "free-blocks").get_ydata()) == [s.num_free_blocks for s in trace]
     assert list(only(ax.lines, "preemptions").get_xdata()) == [trace[i].step for i in trace.preemption_steps()]

@@ -123,3 +123,18 @@ def test_short_hash():
     assert short_hash(255) == "000000ff"
     assert len(short_hash(("parent", (1, 2, 3)))) == 8
     assert short_hash(("parent", (1, 2, 3))) == short_hash(("parent", (1, 2, 3)))
+
+
+def test_demo_traces_do_not_depend_on_the_hash_seed():
+    """Two processes with different PYTHONHASHSEED record the same traces (a trace is deterministic:
+    e.g. requests that finish in one step free their blocks in batch order, not a set's order)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from microvllm.viz.demo import KINDS, demo_trace\n"
+            "import hashlib\n"
+            "print(hashlib.sha256(''.join(demo_trace(k).to_json() for k in KINDS).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED=seed),
+                              capture_output=True, text=True, check=True).stdout for seed in ("1", "2", "3")}
+    assert len(digests) == 1
