@@ -12,24 +12,10 @@ from __future__ import annotations
 
 from microvllm.checks.fakes import make_request
 from microvllm.checks.free_queue import _expect_raises, ids
+from microvllm.checks.pool_watch import POOL_HINTS
 from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
                                      property_settings, run_checks, run_property)
 from microvllm.core.kv_cache_invariants import check_kv_cache_invariants
-
-
-POOL_HINTS = [
-    (r"ref_cnt \d+ but is also in the free queue",
-     "a block in use (ref_cnt > 0) must not sit in the free queue: touch() must remove() a free "
-     "block it revives, and free_blocks() may only append() a block whose ref_cnt reached 0"),
-    (r"ref_cnt 0 but is not in the free queue",
-     "a block whose ref_cnt drops to 0 must be appended to the free queue, or it leaks"),
-    (r"negative ref_cnt",
-     "free_blocks() must refuse (ValueError) a block whose ref_cnt is already 0"),
-    (r"appears in \d+ block table",
-     "get_new_blocks() sets ref_cnt to 1, touch() adds 1, free_blocks() takes 1 away"),
-    (r"hash .* maps to block|carry a hash but the hash table",
-     "when get_new_blocks() reuses a cached free block, evict its hash first (_maybe_evict_cached_block)"),
-]
 
 
 def _cache(pool, blocks, tag: int):
