@@ -34,7 +34,7 @@ from pathlib import Path
 
 from microvllm.checks.engine_steps import first_difference, watch_scheduler
 from microvllm.checks.pool_watch import POOL_HINTS, watch_block_pool
-from microvllm.checks.report import CheckFailure, explain_exception, not_implemented_message
+from microvllm.checks.report import CheckFailure, explain_exception, not_implemented_message, round_floats
 
 # Prompts that share a prefix (prefix-cache hits), of mixed lengths (chunking), one with
 # characters the tiny tokenizer splits into byte tokens (detokenization).
@@ -324,7 +324,7 @@ def _crashed(run: _Run, label: str, quiet: bool) -> EngineRunResult:
             if hint:
                 lines.append(f"hint:     {hint}")
         where = "" if lines[0].startswith("step ") else f" {run.where}"  # the message names its step
-        message = f"✗ the engine stopped with {label}{where}:\n" + "\n".join("    " + line for line in lines)
+        message = f"✗ the engine stopped with {label}{where}:\n" + "\n".join("    " + round_floats(line) for line in lines)
     if not quiet:
         print(message)
     return EngineRunResult(False, message=message)
