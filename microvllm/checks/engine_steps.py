@@ -109,8 +109,10 @@ def _compare_blocks(ref: StepTrace, yours: StepTrace, index: int, who: str):
     ref_cached = [b for b, h in enumerate(ref.block_hashes) if h is not None]
     your_cached = [b for b, h in enumerate(yours.block_hashes) if h is not None]
     if ref_cached != your_cached:
-        return ([f"after step {index}: blocks {your_cached} are cached (carry a hash) with {who}; with the "
-                 f"reference blocks {ref_cached} are"], HINT_BLOCKS)
+        def are(ids):
+            return "no block is" if not ids else f"block {ids[0]} is" if len(ids) == 1 else f"blocks {ids} are"
+        return ([f"after step {index}: {are(your_cached)} cached with {who}; with the reference "
+                 f"{are(ref_cached)} (a cached block carries its hash until it is reused)"], HINT_BLOCKS)
     return None
 
 
