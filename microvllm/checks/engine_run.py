@@ -33,48 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from microvllm.checks.engine_steps import first_difference, watch_scheduler
+from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, PROMPTS, WORKLOADS, Workload,  # noqa: F401
+                                               params_text, sampling_hint)
 from microvllm.checks.pool_watch import POOL_HINTS, watch_block_pool
 from microvllm.checks.report import CheckFailure, explain_exception, not_implemented_message, round_floats
-
-# Prompts that share a prefix (prefix-cache hits), of mixed lengths (chunking), one with
-# characters the tiny tokenizer splits into byte tokens (detokenization).
-PROMPTS = [
-    "The scheduler decides which requests run in each step; the model runner",
-    "The scheduler decides which requests run in each step, and the sampler",
-    "Héllo wörld 🙂, the capital of France is",
-    {"prompt_token_ids": [5, 17, 42, 99, 3, 250, 11, 7, 64, 128, 33, 2, 90, 45, 6, 301, 12, 8, 77]},
-]
-GREEDY = {"temperature": 0.0}
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one engine run does: prompts, one SamplingParams (as keyword arguments) per prompt,
-    engine settings, and whether every step's decisions are compared (``steps``, ``blocks``)."""
-
-    name: str
-    prompts: tuple
-    params: tuple[dict, ...]
-    settings: tuple[tuple[str, object], ...] = ()
-    steps: bool = False
-    blocks: bool = False
-
-
-GREEDY_RUN = Workload("greedy", tuple(PROMPTS), (GREEDY,) * 4)
-SCHEDULER_RUN = Workload(
-    "scheduler", tuple(PROMPTS) + ("A short one", {"prompt_token_ids": [7, 8, 9, 10, 11]}), (GREEDY,) * 6,
-    (("num_kv_blocks", 7), ("max_num_batched_tokens", 16), ("max_num_seqs", 3)), steps=True)
-PREFIX_RUN = Workload(
-    "prefix cache", tuple(PROMPTS) + ("The scheduler decides which requests run in each step; the block pool",),
-    (GREEDY,) * 5, (("num_kv_blocks", 6), ("max_num_batched_tokens", 32)), steps=True, blocks=True)
-SAMPLED_PARAMS = (GREEDY, dict(temperature=0.8, top_k=3, seed=11), dict(temperature=0.3, top_p=0.6, seed=12),
-                  dict(temperature=0.5, min_p=0.5, seed=13), dict(temperature=1.0, seed=14),
-                  dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.1, seed=15))
-SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable"),
-                       SAMPLED_PARAMS, (("max_num_batched_tokens", 32),))
-WORKLOADS = {"scheduler": SCHEDULER_RUN, "block_pool": PREFIX_RUN, "kv_cache_manager": PREFIX_RUN,
-             "sampler": SAMPLED_RUN, "model_runner": SAMPLED_RUN, "block_table": SAMPLED_RUN}
-
 
 @functools.cache
 def tiny_model_folder(arch: str = "llama") -> Path:
@@ -183,12 +145,6 @@ def _reference(workload: Workload, settings: dict, max_tokens: int, arch: str) -
     return _REFERENCE_RUNS[key]
 
 
-def _params_text(params: dict) -> str:
-    if params.get("temperature", 1.0) == 0.0:
-        return "greedy"
-    return ", ".join(f"{k}={v}" for k, v in params.items())
-
-
 def run_engine_with(components: dict | None = None, *, label: str | None = None, prompts=None,
                     max_tokens: int = 12, compare_text: bool = False, quiet: bool = False,
                     arch: str = "llama", **settings) -> EngineRunResult:
@@ -230,7 +186,7 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
         ok = ref_ids == got and (not compare_text or reference.text(rid) == yours.text(rid))
         same &= ok
         tokens = ", ".join(map(str, got[:8])) + (", ..." if len(got) > 8 else "")
-        say(f"  prompt {rid}{'' if greedy else ' (' + _params_text(params) + ')'}: {'✓' if ok else '✗'} [{tokens}]")
+        say(f"  prompt {rid}{'' if greedy else ' (' + params_text(params) + ')'}: {'✓' if ok else '✗'} [{tokens}]")
         if ref_ids != got:
             say(f"      reference: {ref_ids}\n      yours:     {got}")
         elif not ok:
@@ -238,7 +194,7 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     say("  (" + "; ".join(_notes(yours.trace)) + ")")
     if not same and "sampler" in components:
         wrong = [reference.tokens(r) != yours.tokens(r) for r in ids]
-        say(f"    hint: {_sampling_hint(workload.params, wrong)}")
+        say(f"    hint: {sampling_hint(workload.params, wrong)}")
     difference = None
     if workload.steps:
         difference = first_difference(reference.trace, yours.trace, who=who, blocks=workload.blocks)
@@ -268,35 +224,11 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     return EngineRunResult(ok, [reference.tokens(r) for r in ids], [yours.tokens(r) for r in ids], message)
 
 
-FILTER_HINTS = {
-    "top_k": "apply_top_k keeps each row's top_k[row] largest logits (ties with the k-th too)",
-    "top_p": "apply_top_p keeps a token while the mass ranked above it is < top_p (so the token that "
-             "crosses top_p stays)",
-    "min_p": "Sampler.sample applies min-p (apply_min_p) after top-k and top-p when metadata.min_p is set",
-}
-
-
-def _sampling_hint(params: tuple[dict, ...], wrong: list[bool]) -> str:
-    """Which part of the sampler to look at, from which prompts' tokens differ."""
-    if any(bad and p == GREEDY for p, bad in zip(params, wrong)):
-        return "greedy rows must take logits.argmax(dim=-1), exactly"
-    sampled = [(set(p) - {"temperature", "seed"}, bad) for p, bad in zip(params, wrong) if p != GREEDY]
-    if all(bad for _, bad in sampled):
-        return ("every sampled prompt differs: divide by the temperature, then draw each seeded row's noise "
-                "from its own generator (generators[row]), the others from self.generator")
-    suspects = set.intersection(*[keys for keys, bad in sampled if bad])
-    suspects -= set().union(*[keys for keys, bad in sampled if not bad and len(keys) == 1])  # proven right
-    if suspects:
-        return "; ".join(FILTER_HINTS[name] for name in sorted(suspects) if name in FILTER_HINTS)
-    return ("the prompts that differ share no filter that the others lack: check how temperature "
-            "reshapes the logits (logits / temperature) and the order temperature, top-k, top-p, min-p")
-
-
 def _notes(trace) -> list[str]:
     notes = []
     if trace is not None:
-        chunked = {r.request_id for step in trace for r in step.scheduled
-                   if r.kind == "prefill" and r.num_computed_tokens_before + r.num_scheduled_tokens < r.num_prompt_tokens}
+        chunked = {r.request_id for step in trace for r in step.scheduled if r.kind == "prefill"
+                   and r.num_computed_tokens_before + r.num_scheduled_tokens < r.num_prompt_tokens}
         if chunked:
             notes.append(f"{len(chunked)} prompt{'s' if len(chunked) > 1 else ''} prefilled in chunks")
         if trace.preemption_steps():
@@ -324,7 +256,8 @@ def _crashed(run: _Run, label: str, quiet: bool) -> EngineRunResult:
             if hint:
                 lines.append(f"hint:     {hint}")
         where = "" if lines[0].startswith("step ") else f" {run.where}"  # the message names its step
-        message = f"✗ the engine stopped with {label}{where}:\n" + "\n".join("    " + round_floats(line) for line in lines)
+        message = (f"✗ the engine stopped with {label}{where}:\n"
+                   + "\n".join("    " + round_floats(line) for line in lines))
     if not quiet:
         print(message)
     return EngineRunResult(False, message=message)

@@ -14,7 +14,7 @@ import microvllm.core.scheduler as scheduler_module
 import microvllm.sample.sampler as sampler_module
 import microvllm.sample.topk_topp_sampler as topk_module
 from microvllm.checks import run_engine_with
-from microvllm.checks.engine_run import GREEDY
+from microvllm.checks.engine_workloads import GREEDY
 from microvllm.checks.pool_watch import BlockPoolError, watch_block_pool
 from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_manager import KVCacheManager
@@ -46,7 +46,7 @@ def caught(components, pattern: str, *, same_greedy_tokens: bool = True):
 
 
 def _workload_params(components):
-    from microvllm.checks.engine_run import GREEDY_RUN, WORKLOADS
+    from microvllm.checks.engine_workloads import GREEDY_RUN, WORKLOADS
 
     return next((WORKLOADS[name] for name in components if name in WORKLOADS), GREEDY_RUN).params
 
@@ -103,8 +103,9 @@ def test_a_pool_that_hands_out_the_newest_free_blocks_is_caught():
 
 
 def test_a_pool_that_frees_in_reverse_order_is_caught():
-    reverse = mutant(block_pool_module, [("        for block in blocks:\n            block.ref_cnt -= 1",
-                                          "        for block in reversed(blocks):\n            block.ref_cnt -= 1")]).BlockPool
+    reverse = mutant(block_pool_module, [
+        ("        for block in blocks:\n            block.ref_cnt -= 1",
+         "        for block in reversed(blocks):\n            block.ref_cnt -= 1")]).BlockPool
     caught({"block_pool": reverse}, r"after step 12: request 2 holds blocks .* with your BlockPool")
 
 
