@@ -8,7 +8,8 @@ with the engine's own (the reference), same settings, same seeds — and prints 
 
     component              workload                                  compared
     scheduler              6 prompts; 3 seats, 16 tokens a step, 6   every step's plan (requests, tokens,
-                           blocks: chunks, queueing, preemption      preemptions, prefix hits) and the limits
+                           usable blocks: chunks, queueing,          preemptions, prefix hits) and the limits
+                           preemption, prefix hits
     block_pool,            5 prompts sharing prefixes in a pool of   every step's plan, block tables, free and
     kv_cache_manager       5 blocks: hits, revived and evicted       cached blocks; the pool after every call
                            blocks, preemption

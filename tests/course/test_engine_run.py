@@ -184,3 +184,15 @@ def test_a_sampler_that_ignores_request_seeds_is_caught():
 def test_a_sampler_that_ignores_min_p_is_caught():
     sampler = mutant(sampler_module, apply_min_p=lambda logits, min_p: logits).Sampler
     caught({"sampler": sampler}, r"prompt 3 \(temperature=0\.5, min_p=0\.5, seed=13\): ✗.*hint: .*min-p")
+
+
+# ----------------------------------------------------------------- model runner
+
+def test_the_model_runner_cell_runs_seeded_rows_and_still_catches_wrong_positions():
+    from microvllm.worker.block_table import BlockTable
+    from microvllm.worker.model_runner import ModelRunner
+    from tests.course.test_checkers import PositionsFromZero
+
+    passes({"block_table": BlockTable, "model_runner": ModelRunner})
+    result = run_engine_with({"block_table": BlockTable, "model_runner": PositionsFromZero}, quiet=True)
+    assert not result.same and "✗ Your code changed what the engine generates" in result.message, result.message
