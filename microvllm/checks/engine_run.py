@@ -172,7 +172,11 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     yours = _drive(components or None, workload, settings, max_tokens, arch, check=True,
                    max_steps=4 * len(reference.trace) + 20)
     if yours.error is not None:
-        return _crashed(yours, label, quiet)
+        earlier = None
+        if workload.steps and yours.trace is not None:  # a wrong decision may have led to the crash
+            earlier = first_difference(reference.trace, yours.trace, who=who, blocks=workload.blocks,
+                                       partial=True)
+        return _crashed(yours, label, quiet, earlier)
 
     lines = []
     say = lines.append
@@ -242,7 +246,7 @@ def _notes(trace) -> list[str]:
     return notes
 
 
-def _crashed(run: _Run, label: str, quiet: bool) -> EngineRunResult:
+def _crashed(run: _Run, label: str, quiet: bool, earlier=None) -> EngineRunResult:
     exc = run.error
     todo = not_implemented_message(exc)
     if todo is not None:
@@ -259,6 +263,13 @@ def _crashed(run: _Run, label: str, quiet: bool) -> EngineRunResult:
         where = "" if lines[0].startswith("step ") else f" {run.where}"  # the message names its step
         message = (f"✗ the engine stopped with {label}{where}:\n"
                    + "\n".join("    " + round_floats(line) for line in lines))
+        if earlier is not None:
+            step_lines, hint = earlier
+            first, *rest = step_lines
+            message += "\n  the first difference from the reference: " + first
+            message += "".join("\n    " + line for line in rest)
+            if hint:
+                message += f"\n    hint: {hint}"
     if not quiet:
         print(message)
     return EngineRunResult(False, message=message)

@@ -196,3 +196,22 @@ def test_the_model_runner_cell_runs_seeded_rows_and_still_catches_wrong_position
     passes({"block_table": BlockTable, "model_runner": ModelRunner})
     result = run_engine_with({"block_table": BlockTable, "model_runner": PositionsFromZero}, quiet=True)
     assert not result.same and "✗ Your code changed what the engine generates" in result.message, result.message
+
+
+class PoolHandsOutNewestThenCrashes(BlockPool):
+    def get_new_blocks(self, num_blocks):
+        blocks = self.free_block_queue.get_all_free_blocks()[::-1][:num_blocks]
+        for block in blocks:
+            self.free_block_queue.remove(block)
+            self._maybe_evict_cached_block(block)
+            block.ref_cnt = 1
+        if self.get_num_free_blocks() == 0:
+            raise RuntimeError("out of blocks")
+        return blocks
+
+
+def test_a_crash_also_shows_the_first_step_that_differed():
+    result = run_engine_with({"block_pool": PoolHandsOutNewestThenCrashes}, quiet=True)
+    assert "stopped with your PoolHandsOutNewestThenCrashes at step 1:" in result.message, result.message
+    assert "get_new_blocks(1) raised RuntimeError: out of blocks" in result.message
+    assert "the first difference from the reference: after step 0: request 0 holds blocks [5, 4]" in result.message
