@@ -6,9 +6,7 @@
     hash table -> only blocks whose block_hash is that key (and vice versa)
     free + used == num_blocks - 1     (block 0 is the null block, in neither)
 
-``check_block_pool_invariants`` checks every rule that needs no block tables (all
-but "== #entries"), so it holds between any two pool calls. Tests and learners'
-exercises call these after every operation; each message
+Tests and learners' exercises call this after every operation; each message
 says what went wrong in terms of the data, so it can be traced to the bug.
 """
 
