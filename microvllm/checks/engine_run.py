@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from microvllm.checks.engine_steps import first_difference, watch_scheduler
-from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, PROMPTS, WORKLOADS, Workload,  # noqa: F401
+from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, WORKLOADS, Workload,
                                                params_text, sampling_hint)
 from microvllm.checks.pool_watch import POOL_HINTS, watch_block_pool
 from microvllm.checks.report import CheckFailure, explain_exception, not_implemented_message, round_floats
