@@ -33,7 +33,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from microvllm.checks.engine_steps import first_difference, watch_scheduler
+from microvllm.checks.engine_steps import (HINT_HITS, HINT_HITS_MANAGER, HINT_HITS_POOL, first_difference,
+                                           watch_scheduler)
 from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, WORKLOADS, Workload,
                                                params_text, sampling_hint)
 from microvllm.checks.pool_watch import POOL_HINTS, watch_block_pool
@@ -162,6 +163,8 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     settings = {"max_model_len": 128, **dict(workload.settings), **settings}
     compare_text = compare_text or "detokenizer" in components
     who = "your scheduler" if "scheduler" in components else label
+    hits_hint = (HINT_HITS_POOL if "block_pool" in components else
+                 HINT_HITS_MANAGER if "kv_cache_manager" in components else HINT_HITS)
     if "block_pool" in components:
         components["block_pool"] = watch_block_pool(components["block_pool"])
     if "scheduler" in components:
@@ -175,7 +178,7 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
         earlier = None
         if workload.steps and yours.trace is not None:  # a wrong decision may have led to the crash
             earlier = first_difference(reference.trace, yours.trace, who=who, blocks=workload.blocks,
-                                       partial=True)
+                                       partial=True, hits_hint=hits_hint)
         return _crashed(yours, label, quiet, earlier)
 
     lines = []
@@ -202,7 +205,8 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
         say(f"    hint: {sampling_hint(workload.params, wrong)}")
     difference = None
     if workload.steps:
-        difference = first_difference(reference.trace, yours.trace, who=who, blocks=workload.blocks)
+        difference = first_difference(reference.trace, yours.trace, who=who, blocks=workload.blocks,
+                                      hits_hint=hits_hint)
         if difference is None:
             checked = "the same requests, tokens, preemptions and prefix hits" + (
                 ", block tables, free and cached blocks" if workload.blocks else "")

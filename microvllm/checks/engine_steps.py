@@ -28,6 +28,10 @@ HINT_NO_ADMIT = "a step that preempted admits no waiting request (it would just 
 HINT_HITS = ("a new request starts after its prefix-cache hit: hit_blocks, num_hit_tokens = "
              "kv_cache_manager.get_computed_blocks(request), then allocate_slots(request, n, num_hit_tokens, "
              "hit_blocks)")
+HINT_HITS_POOL = ("which cached blocks are still there to hit depends on the pool: get_new_blocks() evicts "
+                  "the least recently freed block first, free_blocks() keeps the hash, touch() revives a hit")
+HINT_HITS_MANAGER = ("get_computed_blocks() returns the longest run of cached full blocks from the start, "
+                     "never covering the last token (search num_tokens - 1 tokens)")
 HINT_PLAN = ("running requests first (oldest first, each as many tokens as the budget allows), then waiting "
              "requests first come first served while budget, seats and blocks last")
 HINT_BLOCKS = ("get_new_blocks() pops the least recently freed blocks (the head of the free queue); "
@@ -74,7 +78,7 @@ def check_limits(step: StepTrace, index: int, who: str, max_num_seqs: int, max_n
     return None
 
 
-def _compare_step(ref: StepTrace, yours: StepTrace, index: int, who: str, blocks: bool):
+def _compare_step(ref: StepTrace, yours: StepTrace, index: int, who: str, blocks: bool, hits_hint: str):
     if set(ref.preempted) != set(yours.preempted):
         lines = [f"step {index}: {who} preempted {_requests(yours.preempted)}; the reference preempts "
                  f"{_requests(ref.preempted)}"]
@@ -88,7 +92,7 @@ def _compare_step(ref: StepTrace, yours: StepTrace, index: int, who: str, blocks
         if yours.preempted and new:
             return lines, HINT_NO_ADMIT
         hits = {rid for rid in set(ref_plan) & set(your_plan) if ref_plan[rid][1] != your_plan[rid][1]}
-        return lines, HINT_HITS if hits else HINT_PLAN
+        return lines, hits_hint if hits else HINT_PLAN
     if blocks:
         return _compare_blocks(ref, yours, index, who)
     return None
@@ -117,10 +121,11 @@ def _compare_blocks(ref: StepTrace, yours: StepTrace, index: int, who: str):
 
 
 def first_difference(reference: Trace, yours: Trace, *, who: str, blocks: bool = False,
-                     check_limits_too: bool = True, partial: bool = False):
+                     check_limits_too: bool = True, partial: bool = False, hits_hint: str = HINT_HITS):
     """The first step where ``yours`` breaks a limit or differs from ``reference``:
     (lines, hint), or None when every step matches. ``partial``: ``yours`` stopped early
-    (it crashed), so only the steps it has are compared."""
+    (it crashed), so only the steps it has are compared. ``hits_hint``: what to look at when
+    a request's prefix hit differs (it depends on the component under test)."""
     for index, your_step in enumerate(yours.steps):
         if check_limits_too:
             broken = check_limits(your_step, index, who, reference.max_num_seqs, reference.max_num_batched_tokens)
@@ -128,7 +133,7 @@ def first_difference(reference: Trace, yours: Trace, *, who: str, blocks: bool =
                 return broken
         if index >= len(reference.steps):
             return ([f"{who} needed more than the reference's {len(reference.steps)} steps"], HINT_PLAN)
-        found = _compare_step(reference.steps[index], your_step, index, who, blocks)
+        found = _compare_step(reference.steps[index], your_step, index, who, blocks, hits_hint)
         if found:
             return found
     if len(yours.steps) < len(reference.steps) and not partial:

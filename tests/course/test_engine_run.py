@@ -151,7 +151,8 @@ def test_the_package_kv_cache_manager_passes_and_a_missed_hit_is_caught():
     class NeverHits(KVCacheManager):
         def get_computed_blocks(self, request):
             return self.create_empty_block_list(), 0
-    caught({"kv_cache_manager": NeverHits}, r"step 0: your NeverHits planned a different batch.*prefix hit")
+    caught({"kv_cache_manager": NeverHits}, r"step 0: your NeverHits planned a different batch.*prefix hit.*"
+                                            r"hint: get_computed_blocks\(\) returns the longest run")
 
 
 # ---------------------------------------------------------------------- sampler
