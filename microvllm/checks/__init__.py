@@ -7,7 +7,9 @@ Each ``check_<component>(your_class_or_function)`` runs example cases and a hypo
 property test and reports, for a failure, the input, what was expected, what came back and
 a hint. A part that still raises ``NotImplementedError`` is reported as "not implemented
 yet". ``run_engine_with({"block_pool": MyBlockPool})`` then runs the real engine on your
-code and compares its greedy tokens with the reference engine's.
+code, on a workload chosen for that component, and compares it with the reference engine:
+the tokens (seeded sampling too, for a sampler) and, for a scheduler, block pool or KV
+cache manager, every step's decisions (see ``engine_run.py``).
 
     exercise              checkers
     01 detokenizer        check_detokenizer, check_find_stop_string

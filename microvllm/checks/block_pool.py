@@ -12,24 +12,10 @@ from __future__ import annotations
 
 from microvllm.checks.fakes import make_request
 from microvllm.checks.free_queue import _expect_raises, ids
+from microvllm.checks.pool_watch import POOL_HINTS
 from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
                                      property_settings, run_checks, run_property)
 from microvllm.core.kv_cache_invariants import check_kv_cache_invariants
-
-
-POOL_HINTS = [
-    (r"ref_cnt \d+ but is also in the free queue",
-     "a block in use (ref_cnt > 0) must not sit in the free queue: touch() must remove() a free "
-     "block it revives, and free_blocks() may only append() a block whose ref_cnt reached 0"),
-    (r"ref_cnt 0 but is not in the free queue",
-     "a block whose ref_cnt drops to 0 must be appended to the free queue, or it leaks"),
-    (r"negative ref_cnt",
-     "free_blocks() must refuse (ValueError) a block whose ref_cnt is already 0"),
-    (r"appears in \d+ block table",
-     "get_new_blocks() sets ref_cnt to 1, touch() adds 1, free_blocks() takes 1 away"),
-    (r"hash .* maps to block|carry a hash but the hash table",
-     "when get_new_blocks() reuses a cached free block, evict its hash first (_maybe_evict_cached_block)"),
-]
 
 
 def _cache(pool, blocks, tag: int):
@@ -100,6 +86,22 @@ def check_block_pool(pool_class, *, max_examples: int = 60, quiet: bool = False)
                got=f"ref_cnt {blocks[2].ref_cnt}, {pool.get_num_free_blocks()} free blocks",
                hint="a block whose ref count is already 0 must not be pushed onto the free queue again: "
                     "check ref_cnt before you change anything")
+        # A refused call changes nothing, not even the blocks listed before the bad one.
+        what = "get_new_blocks(4) -> [1, 2, 3, 4]; free_blocks([3]); free_blocks([1, 2, 3])"
+        try:
+            pool.free_blocks(blocks[:3])
+        except ValueError:
+            pass
+        else:
+            raise CheckFailure("free_blocks([1, 2, 3]) with block 3 already free must raise ValueError",
+                               input=what, expected="ValueError", got="no error")
+        expect([b.ref_cnt for b in blocks[:2]] == [1, 1] and pool.get_num_free_blocks() == free_before,
+               "a refused free_blocks() must change nothing: blocks 1 and 2 lost a reference although "
+               "the call raised", input=what, expected=f"blocks 1, 2: ref_cnt 1, 1; {free_before} free blocks",
+               got=f"blocks 1, 2: ref_cnt {blocks[0].ref_cnt}, {blocks[1].ref_cnt}; "
+                   f"{pool.get_num_free_blocks()} free blocks",
+               hint="check every block first (all ref_cnt > 0), then drop the references")
+        check(pool, blocks[:2], blocks[3:], after=what)
 
     def shared_blocks_stay_in_use():
         pool = pool_class(4)
@@ -216,7 +218,7 @@ def check_block_pool(pool_class, *, max_examples: int = 60, quiet: bool = False)
         Case("block 0 is the reserved null block", null_block_reserved),
         Case("get_new_blocks() pops the head of the free queue with ref_cnt 1", new_blocks_lru_and_ref_counts),
         Case("free_blocks() drops a reference and appends blocks at 0 to the tail", free_blocks_join_the_tail),
-        Case("free_blocks() refuses a block whose ref count is already 0", double_free_is_refused),
+        Case("free_blocks() refuses a block already at ref count 0, changing nothing", double_free_is_refused),
         Case("a shared block stays in use until its last holder frees it", shared_blocks_stay_in_use),
         Case("touch() revives a free cached block: out of the free queue", touch_revives_a_free_cached_block),
         Case("reusing a cached free block evicts its hash", reuse_evicts_the_hash),

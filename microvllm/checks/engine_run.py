@@ -1,11 +1,25 @@
 """Run the real engine on a learner's components and compare it with the reference engine.
 
-    run_engine_with({"block_pool": BlockPool}, num_kv_blocks=10)
+    run_engine_with({"scheduler": Scheduler})
 
-builds (once per process) a tiny random Llama with its tiny tokenizer, generates greedy
-tokens for a few prompts with the engine's own components (the reference) and with
-yours, and prints one line per prompt. Greedy decoding on float32 is deterministic, so
-the two must agree token for token; the tests check that the reference agrees with
+builds (once per process) a tiny random Llama with its tiny tokenizer, picks a workload
+that exercises the components it is given, runs it twice — with your components and
+with the engine's own (the reference), same settings, same seeds — and prints what differs:
+
+    component              workload                                  compared
+    scheduler              6 prompts; 3 seats, 16 tokens a step, 6   every step's plan (requests, tokens,
+                           usable blocks: chunks, queueing,          preemptions, prefix hits) and the limits
+                           preemption, prefix hits
+    block_pool,            5 prompts sharing prefixes in a pool of   every step's plan, block tables, free and
+    kv_cache_manager       5 blocks: hits, revived and evicted       cached blocks; the pool after every call
+                           blocks, preemption
+    sampler, model_runner  greedy rows and seeded random rows with   the tokens (a seeded request draws the
+                           temperature, top-k, top-p, min-p          same tokens from the same logits)
+    anything else          4 prompts, greedy                         the tokens (and the text: detokenizer)
+
+Every run also checks the engine's invariants after each step (``check_invariants``).
+Float32 on one machine is deterministic, so a correct component gives exactly the
+reference's tokens and decisions; the tests check that the reference agrees with
 Hugging Face ``generate`` too.
 """
 
@@ -14,21 +28,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from microvllm.checks.report import explain_exception, not_implemented_message
-
-# Prompts that share a prefix (prefix-cache hits), of mixed lengths (chunking), one with
-# characters the tiny tokenizer splits into byte tokens (detokenization).
-PROMPTS = [
-    "The scheduler decides which requests run in each step; the model runner",
-    "The scheduler decides which requests run in each step, and the sampler",
-    "Héllo wörld 🙂, the capital of France is",
-    {"prompt_token_ids": [5, 17, 42, 99, 3, 250, 11, 7, 64, 128, 33, 2, 90, 45, 6, 301, 12, 8, 77]},
-]
-
+from microvllm.checks.engine_steps import (HINT_HITS, HINT_HITS_MANAGER, HINT_HITS_POOL, first_difference,
+                                           watch_scheduler)
+from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, WORKLOADS, Workload,
+                                               params_text, sampling_hint)
+from microvllm.checks.pool_watch import POOL_HINTS, watch_block_pool
+from microvllm.checks.report import CheckFailure, explain_exception, not_implemented_message, round_floats
 
 @functools.cache
 def tiny_model_folder(arch: str = "llama") -> Path:
@@ -75,63 +85,161 @@ class EngineRunResult:
         """Already printed."""
 
 
-def generate(components=None, *, prompts=None, max_tokens: int = 12, arch: str = "llama", **settings):
-    """Greedy outputs of the engine on the tiny model: (outputs, llm)."""
+@dataclass
+class _Run:
+    outputs: dict = field(default_factory=dict)   # request id -> final RequestOutput
+    trace: object = None
+    error: BaseException | None = None
+    where: str = ""                                # "at step 3", "while building the engine", ...
+
+    def tokens(self, rid: str) -> list[int]:
+        out = self.outputs.get(rid)
+        return list(out.outputs[0].token_ids) if out is not None else []
+
+    def text(self, rid: str) -> str:
+        out = self.outputs.get(rid)
+        return out.outputs[0].text if out is not None else ""
+
+
+def _drive(components, workload: Workload, settings: dict, max_tokens: int, arch: str, *,
+           check: bool, max_steps: int | None = None) -> _Run:
+    """Run ``workload`` step by step (no ``LLM.generate``: a failure must not be followed by
+    an abort that fails again and hides it), checking the invariants after each step."""
     from microvllm import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    # float32 on a GPU too (dtype="auto" would be bfloat16 there): yours and the reference
-    # may use different kernels, and only float32 keeps their greedy tokens comparable.
-    settings.setdefault("dtype", "float32")
-    with _quiet():
-        llm = LLM(str(tiny_model_folder(arch)), components=components, **settings)
-        outputs = llm.generate(list(prompts or PROMPTS), params, use_tqdm=False)
-    return outputs, llm
+    run = _Run(where="while building the engine")
+    settings = {"dtype": "float32", **settings}  # float32 on a GPU too: only it keeps tokens comparable
+    try:
+        with _quiet():
+            llm = LLM(str(tiny_model_folder(arch)), components=components, trace=True, **settings)
+            engine = llm.engine
+            run.trace = engine.trace
+            for index, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
+                run.where = f"while adding prompt {index}"
+                engine.add_request(str(index), prompt,
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
+            while engine.has_unfinished_requests():
+                run.where = f"at step {engine.num_steps}"
+                if max_steps is not None and engine.num_steps >= max_steps:
+                    raise AssertionError(f"the requests are not done after {max_steps} steps (the reference "
+                                         "needs far fewer): does every step schedule something?")
+                for out in engine.step():
+                    if out.finished:
+                        run.outputs[out.request_id] = out
+                if check:
+                    run.where = f"after step {engine.num_steps - 1} (the engine's invariant checks)"
+                    engine.check_invariants()
+    except Exception as exc:  # noqa: BLE001 - a learner's bug becomes a report, not a traceback wall
+        run.error = exc
+    return run
+
+
+_REFERENCE_RUNS: dict = {}
+
+
+def _reference(workload: Workload, settings: dict, max_tokens: int, arch: str) -> _Run:
+    key = repr((workload, sorted(settings.items()), max_tokens, arch))
+    if key not in _REFERENCE_RUNS:
+        run = _drive(None, workload, settings, max_tokens, arch, check=False)
+        if run.error is not None:
+            raise run.error
+        _REFERENCE_RUNS[key] = run
+    return _REFERENCE_RUNS[key]
 
 
 def run_engine_with(components: dict | None = None, *, label: str | None = None, prompts=None,
                     max_tokens: int = 12, compare_text: bool = False, quiet: bool = False,
-                    **settings) -> EngineRunResult:
-    """Generate with your ``components`` (and ``settings`` such as ``num_kv_blocks=10`` or
-    ``attention_backend="my-decode"``), compare with the reference engine, print the verdict."""
-    settings.setdefault("max_model_len", 128)
-    label = label or ", ".join(f"your {cls.__name__}" for cls in (components or {}).values()) or "your code"
-    lines = []
-    say = lines.append
-    try:
-        yours, llm = generate(components, prompts=prompts, max_tokens=max_tokens, debug_invariants=True,
-                              trace=True, **settings)
-    except Exception as exc:  # noqa: BLE001 - a learner's bug becomes a report, not a traceback wall
-        todo = not_implemented_message(exc)
-        if todo is not None:
-            message = f"not implemented yet: {todo}\nFinish the exercise above, then run this cell again."
-        else:
-            message = "✗ the engine stopped with " + label + ":\n" + "\n".join(
-                "    " + line for line in explain_exception(exc))
-        result = EngineRunResult(False, message=message)
-        if not quiet:
-            print(message)
-        return result
+                    arch: str = "llama", **settings) -> EngineRunResult:
+    """Run your ``components`` (and ``settings`` such as ``num_kv_blocks=10`` or
+    ``attention_backend="my-decode"``, which override the workload's) in the engine on a
+    workload chosen for them, compare with the reference engine, print the verdict."""
+    components = dict(components or {})
+    label = label or ", ".join(f"your {cls.__name__}" for cls in components.values()) or "your code"
+    workload = next((WORKLOADS[name] for name in components if name in WORKLOADS), GREEDY_RUN)
+    if prompts is not None:
+        prompts = tuple(prompts)
+        workload = Workload(workload.name, prompts, (workload.params * len(prompts))[:len(prompts)],
+                            workload.settings, workload.steps, workload.blocks)
+    settings = {"max_model_len": 128, **dict(workload.settings), **settings}
+    compare_text = compare_text or "detokenizer" in components
+    who = "your scheduler" if "scheduler" in components else label
+    hits_hint = (HINT_HITS_POOL if "block_pool" in components else
+                 HINT_HITS_MANAGER if "kv_cache_manager" in components else HINT_HITS)
+    if "block_pool" in components:
+        components["block_pool"] = watch_block_pool(components["block_pool"])
+    if "scheduler" in components:
+        components["scheduler"] = watch_scheduler(components["scheduler"])
 
     reference_settings = {k: v for k, v in settings.items() if k != "attention_backend"}
-    reference, _ = generate(None, prompts=prompts, max_tokens=max_tokens, **reference_settings)
+    reference = _reference(workload, reference_settings, max_tokens, arch)
+    yours = _drive(components or None, workload, settings, max_tokens, arch, check=True,
+                   max_steps=4 * len(reference.trace) + 20)
+    if yours.error is not None:
+        earlier = None
+        if workload.steps and yours.trace is not None:  # a wrong decision may have led to the crash
+            earlier = first_difference(reference.trace, yours.trace, who=who, blocks=workload.blocks,
+                                       partial=True, hits_hint=hits_hint)
+        return _crashed(yours, label, quiet, earlier)
+
+    lines = []
+    say = lines.append
+    greedy = all(p == GREEDY for p in workload.params)
     shown = ", ".join(f"{k}={v}" for k, v in settings.items() if k != "max_model_len")
-    say(f"The engine with {label} on a tiny random Llama: {len(reference)} prompts x {max_tokens} greedy tokens"
-        + (f"\n({shown})" if shown else ""))
+    say(f"The engine with {label} on a tiny random Llama: {len(workload.prompts)} prompts x {max_tokens} "
+        + ("greedy tokens" if greedy else "tokens, greedy and seeded sampling") + (f"\n({shown})" if shown else ""))
+    ids = [str(i) for i in range(len(workload.prompts))]
     same = True
-    for index, (ref, out) in enumerate(zip(reference, yours)):
-        ref_ids, ids = list(ref.outputs[0].token_ids), list(out.outputs[0].token_ids)
-        ok = ref_ids == ids and (not compare_text or ref.outputs[0].text == out.outputs[0].text)
+    for rid, params in zip(ids, workload.params):
+        ref_ids, got = reference.tokens(rid), yours.tokens(rid)
+        ok = ref_ids == got and (not compare_text or reference.text(rid) == yours.text(rid))
         same &= ok
-        tokens = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
-        say(f"  prompt {index}: {'✓' if ok else '✗'} [{tokens}]")
-        if ref_ids != ids:
-            say(f"      reference: {ref_ids}\n      yours:     {ids}")
-        elif compare_text and ref.outputs[0].text != out.outputs[0].text:
-            say(f"      reference text: {ref.outputs[0].text!r}\n      your text:      {out.outputs[0].text!r}")
-    trace = llm.trace
+        tokens = ", ".join(map(str, got[:8])) + (", ..." if len(got) > 8 else "")
+        say(f"  prompt {rid}{'' if greedy else ' (' + params_text(params) + ')'}: {'✓' if ok else '✗'} [{tokens}]")
+        if ref_ids != got:
+            say(f"      reference: {ref_ids}\n      yours:     {got}")
+        elif not ok:
+            say(f"      reference text: {reference.text(rid)!r}\n      your text:      {yours.text(rid)!r}")
+    say("  (" + "; ".join(_notes(yours.trace)) + ")")
+    if not same and "sampler" in components:
+        wrong = [reference.tokens(r) != yours.tokens(r) for r in ids]
+        say(f"    hint: {sampling_hint(workload.params, wrong)}")
+    difference = None
+    if workload.steps:
+        difference = first_difference(reference.trace, yours.trace, who=who, blocks=workload.blocks,
+                                      hits_hint=hits_hint)
+        if difference is None:
+            checked = "the same requests, tokens, preemptions and prefix hits" + (
+                ", block tables, free and cached blocks" if workload.blocks else "")
+            say(f"  ✓ every step made the reference engine's decisions: {checked}")
+        else:
+            step_lines, hint = difference
+            say("  ✗ " + step_lines[0])
+            lines.extend("    " + line for line in step_lines[1:])
+            if hint:
+                say(f"    hint: {hint}")
+    ok = same and difference is None
+    if ok:
+        say("✓ Same " + ("tokens and text" if compare_text else "greedy tokens" if greedy else "tokens")
+            + " as the reference engine for every prompt" + (", and the same decisions at every step"
+                                                              if workload.steps else "")
+            + ": your code runs the real engine.")
+    elif not same:
+        say("✗ Your code changed what the engine generates: compare the lines above, then rerun the checker.")
+    else:
+        say("✗ Same tokens, but your code decided differently from the reference engine (see the step above).")
+    message = "\n".join(lines)
+    if not quiet:
+        print(message)
+    return EngineRunResult(ok, [reference.tokens(r) for r in ids], [yours.tokens(r) for r in ids], message)
+
+
+def _notes(trace) -> list[str]:
     notes = []
     if trace is not None:
+        chunked = {r.request_id for step in trace for r in step.scheduled if r.kind == "prefill"
+                   and r.num_computed_tokens_before + r.num_scheduled_tokens < r.num_prompt_tokens}
+        if chunked:
+            notes.append(f"{len(chunked)} prompt{'s' if len(chunked) > 1 else ''} prefilled in chunks")
         if trace.preemption_steps():
             count = len(trace.preemption_steps())
             notes.append(f"preemptions in {count} step{'s' if count > 1 else ''}")
@@ -139,14 +247,33 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
         if hits:
             notes.append(f"{hits} prompt tokens were prefix-cache hits")
         notes.append(f"{len(trace)} engine steps")
-    say("  (" + "; ".join(notes) + ")")
-    if same:
-        say("✓ Same " + ("tokens and text" if compare_text else "greedy tokens")
-            + " as the reference engine for every prompt: your code runs the real engine.")
+    return notes
+
+
+def _crashed(run: _Run, label: str, quiet: bool, earlier=None) -> EngineRunResult:
+    exc = run.error
+    todo = not_implemented_message(exc)
+    if todo is not None:
+        message = f"not implemented yet: {todo}\nFinish the exercise above, then run this cell again."
     else:
-        say("✗ Your code changed what the engine generates: compare the lines above, then rerun the checker.")
-    message = "\n".join(lines)
+        lines = explain_exception(exc)
+        if not (isinstance(exc, CheckFailure) and exc.hint):
+            from microvllm.checks.scheduler import SCHEDULER_HINTS
+
+            text = "\n".join(lines)
+            hint = next((h for pattern, h in POOL_HINTS + SCHEDULER_HINTS if re.search(pattern, text)), None)
+            if hint:
+                lines.append(f"hint:     {hint}")
+        where = "" if lines[0].startswith("step ") else f" {run.where}"  # the message names its step
+        message = (f"✗ the engine stopped with {label}{where}:\n"
+                   + "\n".join("    " + round_floats(line) for line in lines))
+        if earlier is not None:
+            step_lines, hint = earlier
+            first, *rest = step_lines
+            message += "\n  the first difference from the reference: " + first
+            message += "".join("\n    " + line for line in rest)
+            if hint:
+                message += f"\n    hint: {hint}"
     if not quiet:
         print(message)
-    return EngineRunResult(same, [list(o.outputs[0].token_ids) for o in reference],
-                           [list(o.outputs[0].token_ids) for o in yours], message)
+    return EngineRunResult(False, message=message)

@@ -41,10 +41,35 @@ class CheckFailure(AssertionError):
         lines = [self.what]
         for label, value in (("input", self.input), ("expected", self.expected), ("got", self.got)):
             if value is not None:
-                lines.append(f"{label + ':':9} {value}")
+                lines.append(f"{label + ':':9} {shorten_steps(str(value))}")
         if self.hint:
             lines.append(f"hint:     {self.hint}")
         return lines
+
+
+# A float printed with its float32 noise (0.3499999940395355) reads as 0.35.
+_LONG_FLOAT = re.compile(r"(?<![\w.])-?\d+\.\d{5,}(?:e[-+]?\d+)?(?![\w.])")
+
+
+def round_floats(text: str) -> str:
+    """Every float in ``text`` with 5 or more decimals, to 4 significant digits."""
+    return _LONG_FLOAT.sub(lambda m: f"{float(m.group()):.4g}", text)
+
+
+def trim_lines(lines: list[str], head: int = 2, tail: int = 4) -> list[str]:
+    """A long list of lines (a shrunk example, step by step): its first ``head`` and last
+    ``tail`` lines, the rest counted: '... (N more)'."""
+    if len(lines) <= head + tail + 1:
+        return lines
+    return lines[:head] + [f"... ({len(lines) - head - tail} more)"] + lines[len(lines) - tail:]
+
+
+def shorten_steps(text: str, head: int = 2, tail: int = 6) -> str:
+    """An input written as 'op; op; op; ...': keep the first and last operations."""
+    parts = text.split("; ")
+    if len(parts) <= head + tail + 1:
+        return text
+    return "; ".join(parts[:head] + [f"... ({len(parts) - head - tail} more)"] + parts[len(parts) - tail:])
 
 
 def expect(condition: bool, what: str, **details) -> None:
@@ -183,8 +208,8 @@ def _run_case(case: Case, hints: list[tuple[str, str]]) -> CaseResult:
         notes = _failing_example(exc)
         if notes and not (isinstance(exc, CheckFailure) and exc.input is not None):
             lines.append("the failing example (shrunk by hypothesis):")
-            lines += [f"    {n}" for n in notes]
-        return CaseResult(case.name, FAIL, lines)
+            lines += [f"    {n}" for n in trim_lines(notes)]
+        return CaseResult(case.name, FAIL, [round_floats(line) for line in lines])
     return CaseResult(case.name, PASS)
 
 

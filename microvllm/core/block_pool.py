@@ -87,17 +87,22 @@ class BlockPool:
         """Drop one reference from each block; those reaching 0 join the free queue's tail.
 
         Order matters: blocks appended first are evicted first. The hash is kept
-        (the block stays a possible cache hit). O(len(blocks)).
+        (the block stays a possible cache hit). A block already at 0 raises
+        ValueError before anything changes. O(len(blocks)).
         """
         ### BEGIN SOLUTION
-        for block in ordered_blocks:
-            if block.is_null:
-                continue
-            if block.ref_cnt <= 0:
+        blocks = [block for block in ordered_blocks if not block.is_null]
+        # Check every block first (a block listed twice drops two references): a
+        # refused call must leave the pool as it was.
+        drops: dict[int, int] = {}
+        for block in blocks:
+            drops[block.block_id] = drops.get(block.block_id, 0) + 1
+            if block.ref_cnt < drops[block.block_id]:
                 raise ValueError(
                     f"block {block.block_id} was freed twice: free_blocks() must not be "
                     "given a block whose ref count is already 0"
                 )
+        for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)

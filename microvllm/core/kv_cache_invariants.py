@@ -53,6 +53,31 @@ def check_free_queue_links(block_pool: BlockPool) -> set[int]:
     return seen
 
 
+def check_block_pool_invariants(block_pool: BlockPool) -> None:
+    """The rules the pool keeps on its own, without the block tables (so they hold between
+    any two pool calls, even half-way through a KV cache manager operation): the free
+    queue is well linked, ref counts are >= 0, ref_cnt == 0 exactly for queued blocks,
+    and the hash table matches the blocks' hashes. O(blocks)."""
+    free_ids = check_free_queue_links(block_pool)
+    null_id = block_pool.null_block.block_id
+    if null_id in free_ids:
+        raise InvariantError(f"the null block {null_id} is in the free queue: it must never be handed out")
+    for block in block_pool.blocks:
+        if block.is_null:
+            continue
+        bid, in_queue = block.block_id, block.block_id in free_ids
+        if block.ref_cnt < 0:
+            raise InvariantError(f"block {bid} has negative ref_cnt {block.ref_cnt}: it was freed too often")
+        if block.ref_cnt == 0 and not in_queue:
+            raise InvariantError(f"block {bid} has ref_cnt 0 but is not in the free queue: it leaked")
+        if block.ref_cnt > 0 and in_queue:
+            raise InvariantError(
+                f"block {bid} has ref_cnt {block.ref_cnt} but is also in the free queue: "
+                "a used block could be handed to another request"
+            )
+    _check_hash_table(block_pool)
+
+
 def check_kv_cache_invariants(block_pool: BlockPool, block_tables: Iterable[Iterable[KVCacheBlock | int]]) -> None:
     """Check the pool against all block tables (each a list of blocks or block ids)."""
     holders: Counter[int] = Counter()

@@ -50,6 +50,23 @@ def test_get_new_and_free_blocks_ref_counts():
         pool.free_blocks(a[:1])
 
 
+def test_a_refused_free_blocks_changes_nothing():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(3)  # 1, 2, 3
+    pool.touch(a[1:2])  # block 2 shared: ref_cnt 2
+    pool.free_blocks(a[2:])  # block 3 free
+    queue_before = ids(pool.free_block_queue.get_all_free_blocks())
+    with pytest.raises(ValueError, match="block 3 was freed twice"):
+        pool.free_blocks(a)  # 1 and 2 are fine, 3 is already at 0: checked before anything changes
+    assert [b.ref_cnt for b in a] == [1, 2, 0]
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == queue_before
+    check(pool, a[:2], a[1:2])
+    with pytest.raises(ValueError, match="block 1 was freed twice"):
+        pool.free_blocks([a[0], a[0]])  # listed twice: two references, it holds one
+    assert a[0].ref_cnt == 1
+    check(pool, a[:2], a[1:2])
+
+
 def test_lru_eviction_order_and_hash_eviction():
     pool = BlockPool(5)  # usable blocks 1..4
     a = pool.get_new_blocks(2)  # 1, 2

@@ -360,3 +360,25 @@ def test_a_property_case_is_skipped_without_hypothesis():
         raise ModuleNotFoundError("No module named 'hypothesis'", name="hypothesis")
     result = run_checks("check_x", [Case("a", lambda: None), Case("property: b", needs_hypothesis)], quiet=True)
     assert result.passed and "skipped, hypothesis is not installed" in result.report()
+
+
+def test_floats_are_shown_rounded():
+    drops_crossing = mutant(topk_module, [("mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs",
+                                           "mass_above = sorted_probs.cumsum(dim=-1)")])
+    sampler = mutant(sampler_module, apply_top_p=drops_crossing.apply_top_p).Sampler
+    report = checks.check_sampler(sampler, quiet=True).report()
+    assert "probabilities [0.35, 0.25, 0.15, 0.1, 0.08, 0.04, 0.02, 0.01]" in report, report
+    assert "0.34999" not in report and "00000" not in report, report
+
+
+def test_a_long_shrunk_example_is_trimmed():
+    from microvllm.checks.report import Case, run_checks
+
+    def fails():
+        exc = AssertionError("the pool leaked a block")
+        exc.add_note("Falsifying example: " + "\n".join(f"state.operation_{i}()" for i in range(30)))
+        raise exc
+    result = run_checks("check_x", [Case("property: x", fails)], quiet=True)
+    lines = result.failures[0].lines
+    assert lines[0] == "the pool leaked a block" and len(lines) <= 9, lines
+    assert "    state.operation_0()" in lines and "    ... (24 more)" in lines and lines[-1] == "    state.operation_29()"

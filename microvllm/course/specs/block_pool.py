@@ -57,8 +57,8 @@ A usable block is always in exactly one of two states:
   was cached (`self._maybe_evict_cached_block`), sets `ref_cnt = 1`; ValueError (and no
   change) when fewer than `n` are free.
 - `free_blocks(blocks)` drops one reference from each non-null block, in order; a block whose
-  count reaches 0 joins the queue's tail and keeps its hash; a block already at 0 raises
-  ValueError **before anything changes**.
+  count reaches 0 joins the queue's tail and keeps its hash. If any block is already at 0, it
+  raises ValueError **before anything changes**: check every block first, then change them.
 - `touch(blocks)` takes one reference on each non-null block (prefix-cache hits); a block at 0
   sits in the free queue and must be removed from it first, or it could be handed out twice.
 """,
@@ -70,10 +70,11 @@ neighbours' `next_free_block` / `prev_free_block`, and its own two links (set to
 tail sentinel (empty queue). `append()` links the block between `fake_free_list_tail.prev_free_block`
 and the tail.""",
         """```python
-# free_blocks
-for block in ordered_blocks:
-    if block.is_null: continue
-    if block.ref_cnt <= 0: raise ValueError(...)
+# free_blocks: check every block first, then change (a refused call changes nothing)
+blocks = [block for block in ordered_blocks if not block.is_null]
+for block in blocks:
+    if block.ref_cnt <= 0: raise ValueError(...)   # (a block listed twice needs 2 references)
+for block in blocks:
     block.ref_cnt -= 1
     if block.ref_cnt == 0: self.free_block_queue.append(block)
 # touch: the mirror image: if block.ref_cnt == 0: self.free_block_queue.remove(block); then += 1
@@ -82,8 +83,9 @@ for block in ordered_blocks:
     checks=("check_free_block_queue(FreeKVCacheBlockQueue)", "check_block_pool(BlockPool)"),
     engine_intro="""`components={"block_pool": BlockPool}` makes the engine's KV cache manager allocate
 every block through your pool. The pool here is small (`num_kv_blocks=6`, 5 usable blocks of 16
-tokens), so requests are preempted and freed blocks revived as prefix-cache hits: every greedy
-token must still equal the reference engine's, and the engine checks the pool's accounting after
-every step (`debug_invariants=True`).""",
-    engine='run_engine_with({"block_pool": BlockPool}, num_kv_blocks=6, max_num_batched_tokens=32)',
+tokens), so requests are preempted and freed blocks revived as prefix-cache hits. Every greedy
+token must equal the reference engine's; after every call of your `get_new_blocks`, `free_blocks`
+and `touch` the pool's accounting is checked, and after every step its block tables, free blocks
+and cached blocks must be the reference pool's (the LRU order decides which blocks come next).""",
+    engine='run_engine_with({"block_pool": BlockPool})',
 )

@@ -67,7 +67,8 @@ for table in self.block_tables:
     checks=("check_slot_mapping(BlockTable)", "check_prepare_inputs(ModelRunner)"),
     engine_intro="""`components={"block_table": BlockTable, "model_runner": ModelRunner}` makes the
 worker build your runner, which keeps your block tables and prepares every step's inputs. A budget
-of 32 tokens mixes prefill chunks and decodes in one step; the greedy tokens must equal the
-reference engine's.""",
-    engine='run_engine_with({"block_table": BlockTable, "model_runner": ModelRunner}, max_num_batched_tokens=32)',
+of 32 tokens mixes prefill chunks and decodes in one step; one prompt is greedy, the others sample
+with their own seeds (so your runner must hand each row its own request's parameters). The tokens
+must equal the reference engine's.""",
+    engine='run_engine_with({"block_table": BlockTable, "model_runner": ModelRunner})',
 )

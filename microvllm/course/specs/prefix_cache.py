@@ -72,8 +72,10 @@ return KVCacheBlocks(tuple(hits)), shortest
     ),
     checks=("check_hash_block_tokens(hash_block_tokens)", "check_get_computed_blocks(KVCacheManager)"),
     engine_intro="""`components={"kv_cache_manager": KVCacheManager}` makes the scheduler find every
-prefix hit through your `get_computed_blocks`. The first two prompts share a long prefix, so the
-second one starts from cached blocks; the greedy tokens must not change. (Your `hash_block_tokens`
-produces the engine's exact digests — the checker proved it — so the engine's hashes are yours.)""",
+prefix hit through your `get_computed_blocks`. Three of the five prompts share a long prefix, in a
+pool of 5 usable blocks: the second starts from a block in use, the fifth from a freed block that is
+still cached. The greedy tokens must not change, and every step must find exactly the reference's
+hits (and so hold the same blocks). (Your `hash_block_tokens` produces the engine's exact digests —
+the checker proved it — so the engine's hashes are yours.)""",
     engine='run_engine_with({"kv_cache_manager": KVCacheManager})',
 )

@@ -71,6 +71,9 @@ return (probs / noise).argmax(dim=-1)
     ),
     checks=("check_sampler(Sampler)",),
     engine_intro="""`components={"sampler": Sampler}` makes the model runner sample every token with
-your class. Greedy tokens must equal the reference engine's (the argmax must be exact).""",
+your class. One prompt is greedy (the argmax must be exact); the others sample with temperature,
+top-k, top-p and min-p, each from its own seed. A seeded request draws the same tokens from the same
+logits, so every token must equal the reference engine's; when some differ, the hint says which
+filter the differing prompts have in common.""",
     engine='run_engine_with({"sampler": Sampler})',
 )

@@ -17,8 +17,9 @@ from microvllm.core.sched_output import SchedulerOutput
 from microvllm.checks import check_scheduler, run_engine_with
 """,
     parts=(Part(Scheduler, methods=("schedule",), intro="""Everything else is the engine's
-`Scheduler`: use `self._cap_new_tokens`, `self._preempt`, `self._raise_no_progress` and
-`self._make_output` (read them with `Scheduler._preempt??` and friends)."""),),
+`Scheduler`: use `self._cap_new_tokens`, `self._preempt`, `self._raise_stalled`,
+`self._raise_no_progress` and `self._make_output` (read them with `Scheduler._preempt??` and
+friends)."""),),
     todos={
         "Scheduler.schedule": "schedule running requests (preempting the newest when allocate_slots "
                               "returns None), then waiting ones FCFS within the budget; "
@@ -45,7 +46,10 @@ new_blocks, num_scheduled_tokens, preempted, prefix_hits)` (which also advances
    `request.num_cached_tokens` to the hit on its first admission (while it is still -1).
 3. Every scheduled request's tokens come out of `token_budget` and go into
    `num_scheduled_tokens[id]`; new blocks of running requests go into `new_blocks[id]`.
-4. If nothing was scheduled, nothing preempted, and requests wait: `self._raise_no_progress(self.waiting[0])`.
+4. If nothing was scheduled and nothing preempted, never return an empty plan (the engine would
+   spin): if requests run, `self._raise_stalled(self.running[0])` (a running request with nothing
+   left to compute: its last step never delivered a token); else, if requests wait,
+   `self._raise_no_progress(self.waiting[0])`.
 """,
     hints=(
         """Read `schedule()`'s neighbours first: `_cap_new_tokens` already applies the budget and
@@ -77,7 +81,9 @@ while not preempted and self.waiting and token_budget > 0 and len(self.running) 
     ),
     checks=("check_scheduler(Scheduler)",),
     engine_intro="""`components={"scheduler": Scheduler}` makes your `schedule()` plan every engine
-step. A budget of 16 tokens forces chunked prefill, 3 seats and a small pool force queueing and
-preemption; the greedy tokens must equal the reference engine's.""",
-    engine='run_engine_with({"scheduler": Scheduler}, num_kv_blocks=6, max_num_batched_tokens=16, max_num_seqs=3)',
+step. Six prompts, a budget of 16 tokens (chunked prefill, mixed steps), 3 seats (queueing) and a
+pool of 6 usable blocks (preemption, prefix hits): every plan is checked against `max_num_seqs` and
+the budget before it runs, and must be the reference scheduler's, step by step — the same requests,
+tokens, preemptions and prefix hits. The greedy tokens must equal the reference engine's too.""",
+    engine='run_engine_with({"scheduler": Scheduler})',
 )

@@ -1,0 +1,218 @@
+"""``run_engine_with`` (the last cell of each exercise) catches a WRONG component, not only a
+crashing one: each buggy component below generates the same greedy tokens as the reference
+(so a token-only check, as the engine cell had before, passes it), and the engine cell
+fails it, naming the step, the limit or the pool call."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import microvllm.core.block_pool as block_pool_module
+import microvllm.core.scheduler as scheduler_module
+import microvllm.sample.sampler as sampler_module
+import microvllm.sample.topk_topp_sampler as topk_module
+from microvllm.checks import run_engine_with
+from microvllm.checks.engine_workloads import GREEDY
+from microvllm.checks.pool_watch import BlockPoolError, watch_block_pool
+from microvllm.core.block_pool import BlockPool
+from microvllm.core.kv_cache_manager import KVCacheManager
+from microvllm.core.scheduler import Scheduler
+from microvllm.sample.sampler import Sampler
+from tests.course.mutants import mutant
+
+
+def passes(components):
+    result = run_engine_with(components, quiet=True)
+    assert result.same, result.message
+    assert "✓ Same" in result.message and "✗" not in result.message, result.message
+
+
+def caught(components, pattern: str, *, same_greedy_tokens: bool = True):
+    """The engine cell fails ``components`` with a message matching ``pattern``; with
+    ``same_greedy_tokens``, every greedy prompt still got the reference's tokens (what the
+    old, token-only engine cell compared)."""
+    result = run_engine_with(components, quiet=True)
+    assert not result.same, result.message
+    assert re.search(pattern, result.message, re.S), result.message
+    if same_greedy_tokens:
+        params = _workload_params(components)
+        assert any(p == GREEDY for p in params)
+        for index, p in enumerate(params):
+            if p == GREEDY:
+                assert result.yours[index] == result.reference[index], result.message
+    return result
+
+
+def _workload_params(components):
+    from microvllm.checks.engine_workloads import GREEDY_RUN, WORKLOADS
+
+    return next((WORKLOADS[name] for name in components if name in WORKLOADS), GREEDY_RUN).params
+
+
+# -------------------------------------------------------------------- scheduler
+
+def test_the_package_scheduler_passes():
+    passes({"scheduler": Scheduler})
+
+
+def test_a_scheduler_that_ignores_max_num_seqs_is_named_at_its_step():
+    seats = mutant(scheduler_module, [(" and len(self.running) < self.max_num_seqs", "")]).Scheduler
+    result = run_engine_with({"scheduler": seats}, quiet=True)
+    assert not result.same
+    assert "step 3: your scheduler ran 4 requests, max_num_seqs=3" in result.message, result.message
+    assert "len(self.running) < self.max_num_seqs" in result.message  # the hint
+
+
+def test_a_scheduler_that_preempts_the_oldest_request_is_caught():
+    oldest = mutant(scheduler_module, [("victim = self.running.pop()", "victim = self.running.pop(0)")]).Scheduler
+    caught({"scheduler": oldest}, r"step 12: your scheduler preempted request 0; the reference preempts "
+                                  r"request 2.*victim = self\.running\.pop\(\)")
+
+
+def test_a_scheduler_that_skips_prefix_hits_is_caught():
+    no_hits = mutant(scheduler_module, [(
+        "hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)",
+        "hit_blocks, num_hit_tokens = self.kv_cache_manager.create_empty_block_list(), 0")]).Scheduler
+    caught({"scheduler": no_hits}, r"step 1: your scheduler planned a different batch.*"
+                                   r"reference: .*16-token prefix hit.*get_computed_blocks")
+
+
+def test_a_scheduler_over_the_token_budget_is_named_before_the_runner_fails():
+    over_budget = mutant(scheduler_module, [("            token_budget -= num_new_tokens\n            index += 1",
+                                             "            index += 1")]).Scheduler
+    result = run_engine_with({"scheduler": over_budget}, quiet=True)
+    assert "step 1: your scheduler scheduled 22 tokens, max_num_batched_tokens=16" in result.message, result.message
+    assert "_prepare_inputs" not in result.message
+
+
+# ------------------------------------------------------------------- block pool
+
+def test_the_package_block_pool_passes():
+    passes({"block_pool": BlockPool})
+
+
+def test_a_pool_that_hands_out_the_newest_free_blocks_is_caught():
+    lifo = mutant(block_pool_module, [(
+        "blocks = self.free_block_queue.popleft_n(num_blocks)",
+        "blocks = [self.free_block_queue.remove(b) or b\n"
+        "                  for b in self.free_block_queue.get_all_free_blocks()[::-1][:num_blocks]]")]).BlockPool
+    caught({"block_pool": lifo}, r"after step 0: request 0 holds blocks \[5, 4\] with your BlockPool; with the "
+                                 r"reference it holds \[1, 2\].*least recently freed")
+
+
+def test_a_pool_that_frees_in_reverse_order_is_caught():
+    reverse = mutant(block_pool_module, [
+        ("        for block in blocks:\n            block.ref_cnt -= 1",
+         "        for block in reversed(blocks):\n            block.ref_cnt -= 1")]).BlockPool
+    caught({"block_pool": reverse}, r"after step 12: request 2 holds blocks .* with your BlockPool")
+
+
+def test_a_pool_that_forgets_hashes_on_free_is_caught():
+    forgets = mutant(block_pool_module, [(
+        "            if block.ref_cnt == 0:\n                self.free_block_queue.append(block)",
+        "            if block.ref_cnt == 0:\n                self._maybe_evict_cached_block(block)\n"
+        "                self.free_block_queue.append(block)")]).BlockPool
+    caught({"block_pool": forgets}, r"after step 11: no block is cached with your BlockPool; with the reference "
+                                    r"blocks \[1, 2, 3\] are")
+
+
+def test_a_pool_error_names_the_pool_call():
+    keeps_reference = mutant(block_pool_module, [("            block.ref_cnt -= 1\n            if block.ref_cnt == 0:",
+                                                  "            if block.ref_cnt == 1:")]).BlockPool
+    result = run_engine_with({"block_pool": keeps_reference}, quiet=True)
+    assert "stopped with your BlockPool at step 11" in result.message, result.message
+    assert "after your BlockPool.free_blocks([5, 4]): block 4 has ref_cnt 1 but is also in the free queue" \
+        in result.message
+    assert "Scheduler" not in result.message and "finish_requests" not in result.message
+
+
+class PoolFreesTwice(BlockPool):
+    def free_blocks(self, ordered_blocks):
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt <= 0:
+                self.free_block_queue.append(block)
+
+
+def test_a_double_free_is_named():
+    pool = watch_block_pool(PoolFreesTwice)(4)
+    blocks = pool.get_new_blocks(1)
+    pool.free_blocks(blocks)
+    with pytest.raises(BlockPoolError, match=r"your PoolFreesTwice.free_blocks\(\[1\]\): block 1 was freed "
+                                             r"twice \(its ref_cnt went below 0, to -1\)"):
+        pool.free_blocks(blocks)
+
+
+def test_the_package_kv_cache_manager_passes_and_a_missed_hit_is_caught():
+    passes({"kv_cache_manager": KVCacheManager})
+
+    class NeverHits(KVCacheManager):
+        def get_computed_blocks(self, request):
+            return self.create_empty_block_list(), 0
+    caught({"kv_cache_manager": NeverHits}, r"step 0: your NeverHits planned a different batch.*prefix hit.*"
+                                            r"hint: get_computed_blocks\(\) returns the longest run")
+
+
+# ---------------------------------------------------------------------- sampler
+
+def test_the_package_sampler_passes():
+    passes({"sampler": Sampler})
+
+
+def test_a_sampler_that_ignores_top_k_is_caught():
+    keeps_all = mutant(topk_module, [("return logits.masked_fill(logits < kth_value",
+                                      "return logits.masked_fill(logits < kth_value - 1e9")])
+    sampler = mutant(sampler_module, apply_top_k=keeps_all.apply_top_k).Sampler
+    caught({"sampler": sampler}, r"prompt 1 \(temperature=0\.8, top_k=3, seed=11\): ✗.*hint: apply_top_k")
+
+
+def test_a_sampler_that_drops_the_token_crossing_top_p_is_caught():
+    drops_crossing = mutant(topk_module, [("mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs",
+                                           "mass_above = sorted_probs.cumsum(dim=-1)")])
+    sampler = mutant(sampler_module, apply_top_p=drops_crossing.apply_top_p).Sampler
+    caught({"sampler": sampler}, r"prompt 2 \(temperature=0\.3, top_p=0\.6, seed=12\): ✗.*hint: apply_top_p")
+
+
+def test_a_sampler_that_ignores_request_seeds_is_caught():
+    def shared_noise_only(probs, generators, shared_generator):
+        return topk_module.random_sample(probs, {}, shared_generator)
+    sampler = mutant(sampler_module, random_sample=shared_noise_only).Sampler
+    caught({"sampler": sampler}, r"prompt 4 \(temperature=1\.0, seed=14\): ✗.*its own generator")
+
+
+def test_a_sampler_that_ignores_min_p_is_caught():
+    sampler = mutant(sampler_module, apply_min_p=lambda logits, min_p: logits).Sampler
+    caught({"sampler": sampler}, r"prompt 3 \(temperature=0\.5, min_p=0\.5, seed=13\): ✗.*hint: .*min-p")
+
+
+# ----------------------------------------------------------------- model runner
+
+def test_the_model_runner_cell_runs_seeded_rows_and_still_catches_wrong_positions():
+    from microvllm.worker.block_table import BlockTable
+    from microvllm.worker.model_runner import ModelRunner
+    from tests.course.test_checkers import PositionsFromZero
+
+    passes({"block_table": BlockTable, "model_runner": ModelRunner})
+    result = run_engine_with({"block_table": BlockTable, "model_runner": PositionsFromZero}, quiet=True)
+    assert not result.same and "✗ Your code changed what the engine generates" in result.message, result.message
+
+
+class PoolHandsOutNewestThenCrashes(BlockPool):
+    def get_new_blocks(self, num_blocks):
+        blocks = self.free_block_queue.get_all_free_blocks()[::-1][:num_blocks]
+        for block in blocks:
+            self.free_block_queue.remove(block)
+            self._maybe_evict_cached_block(block)
+            block.ref_cnt = 1
+        if self.get_num_free_blocks() == 0:
+            raise RuntimeError("out of blocks")
+        return blocks
+
+
+def test_a_crash_also_shows_the_first_step_that_differed():
+    result = run_engine_with({"block_pool": PoolHandsOutNewestThenCrashes}, quiet=True)
+    assert "stopped with your PoolHandsOutNewestThenCrashes at step 1:" in result.message, result.message
+    assert "get_new_blocks(1) raised RuntimeError: out of blocks" in result.message
+    assert "the first difference from the reference: after step 0: request 0 holds blocks [5, 4]" in result.message
