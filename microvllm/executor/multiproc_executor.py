@@ -62,6 +62,11 @@ CALL_TIMEOUT_S = 600.0            # one step (or any other call) on every rank
 PROCESS_GROUP_TIMEOUT_S = 120.0   # a collective waiting on a missing peer raises after this
 
 
+_STARTUP_HINT = ("; its own error is printed above. In a script, create the LLM under "
+                 "`if __name__ == \"__main__\":`: each worker process imports the script again "
+                 "(multiprocessing's spawn)")
+
+
 class WorkerError(RuntimeError):
     """A worker process failed or died: the executor has stopped all of them."""
 
@@ -147,7 +152,7 @@ class MultiprocExecutor(Executor):
                 if reply is None:
                     if not proc.is_alive():
                         self._fail(f"worker rank {rank} (pid {proc.pid}) died during {method}() "
-                                   f"with exit code {proc.exitcode}")
+                                   f"with exit code {proc.exitcode}" + (_STARTUP_HINT if method == "startup" else ""))
                 elif reply.call_id == call_id:   # an older one answers an interrupted call
                     if not reply.ok:
                         self._fail(f"worker rank {rank} (pid {proc.pid}) raised in {method}():\n"

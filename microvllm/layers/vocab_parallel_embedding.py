@@ -66,6 +66,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.shard = VocabShard.of_this_rank(num_embeddings)
+        self.tp_size = get_tensor_model_parallel_world_size()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = nn.Parameter(torch.empty(self.shard.num_embeddings_per_partition, embedding_dim))
         self.weight.weight_loader = self.weight_loader
@@ -74,7 +75,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard.load(param, loaded_weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if get_tensor_model_parallel_world_size() == 1:
+        if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         # Tokens outside this rank's slice look up row 0, then are zeroed.
         outside = (input_ids < self.shard.start) | (input_ids >= self.shard.end)

@@ -86,20 +86,37 @@ def test_default_model_tp3_matches_tp1(default_model_folder):
 
 
 @pytest.mark.multiprocess
-def test_a_killed_worker_is_a_clear_error_not_a_hang(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, max_model_len=1024)
+def test_a_killed_worker_is_a_clear_error_not_a_hang(tmp_path):
+    # A vocabulary of 509 does not divide by 2: each rank holds 255 rows, the last one padding.
+    folder = make_tiny_model(tmp_path, "llama", seed=3, tokenizer=False, vocab_size=509)
+    llm = LLM(str(folder), tensor_parallel_size=2, max_model_len=1024)
     pids = worker_pids(llm)
-    victim = pids[1]
+    prompt = [5, 6, 7, 508]
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert tuple(out.outputs[0].token_ids) == hf_greedy(str(folder), tuple(prompt), MAX_TOKENS)
     # Kill rank 1 while a long generation runs.
+    victim = pids[1]
     threading.Timer(0.5, os.kill, (victim, 9)).start()
     started = time.monotonic()
     with pytest.raises(WorkerError, match=f"worker rank 1 \\(pid {victim}\\) died"):
-        llm.generate({"prompt_token_ids": [5, 6, 7]},
+        llm.generate({"prompt_token_ids": prompt},
                      SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - started < 15
     assert_all_exited(pids)   # the executor stopped rank 0 too
     with pytest.raises(WorkerError, match="create a new LLM"):
-        llm.generate("again", GREEDY, use_tqdm=False)
+        llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.multiprocess
+def test_an_error_in_a_worker_arrives_with_its_traceback(tmp_path):
+    """The engine process reads config.json only; the workers read the weights."""
+    folder = make_tiny_model(tmp_path, "llama", tokenizer=False)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    before = set(multiprocessing.active_children())
+    with pytest.raises(WorkerError, match=r"(?s)worker rank \d \(pid \d+\) raised in startup\(\):\n"
+                                          r"Traceback .*not a readable safetensors file"):
+        LLM(str(folder), tensor_parallel_size=2)
+    assert set(multiprocessing.active_children()) == before
 
 
 def test_heads_that_do_not_divide_are_refused_before_any_worker_starts(tmp_path):
