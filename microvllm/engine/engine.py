@@ -40,7 +40,7 @@ from microvllm.detokenizer import IncrementalDetokenizer
 from microvllm.engine.output_processor import OutputProcessor
 from microvllm.engine.prompts import PromptProcessor
 from microvllm.engine.step_tracer import StepTracer
-from microvllm.executor import Executor
+from microvllm.executor import get_executor_class
 from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
 from microvllm.platforms import get_platform
@@ -80,7 +80,7 @@ class Engine:
         self.prompts.vocab_size = self.model_config.vocab_size
         config.verify_with_model_config(self.model_config)   # before any worker starts
         # One worker here (tensor_parallel_size=1), or one process per rank.
-        self.executor = Executor.get_class(config)(config, self.model_path, self.prompts.eos_token_ids,
+        self.executor = get_executor_class(config)(config, self.model_path, self.prompts.eos_token_ids,
                                                    self.platform)
         config.num_kv_blocks = self._initialize_kv_caches()
         layout = self.executor.kv_cache_layout

@@ -8,9 +8,11 @@
                executor.execute_model(plan)        one step -> ModelRunnerOutput
                executor.shutdown()                 stop the workers (if any)
 
-``Executor.get_class(config)`` picks the implementation, as vLLM's does:
+``get_executor_class(config)`` (in ``executor/__init__.py``) picks the implementation:
 ``UniProcExecutor`` for ``tensor_parallel_size=1`` (the worker in this process, no
-torch.distributed), ``MultiprocExecutor`` for more.
+torch.distributed), ``MultiprocExecutor`` for more. (vLLM's is ``Executor.get_class``, a
+method of this class; here it sits in the package so that the interface imports neither
+implementation.)
 """
 
 from __future__ import annotations
@@ -19,15 +21,6 @@ from abc import ABC, abstractmethod
 
 
 class Executor(ABC):
-    @staticmethod
-    def get_class(config) -> type["Executor"]:
-        """The executor class for this config's ``tensor_parallel_size``."""
-        if getattr(config, "tensor_parallel_size", 1) == 1:
-            from microvllm.executor.uniproc_executor import UniProcExecutor
-            return UniProcExecutor
-        from microvllm.executor.multiproc_executor import MultiprocExecutor
-        return MultiprocExecutor
-
     @property
     @abstractmethod
     def kv_cache_layout(self):
