@@ -81,7 +81,7 @@ class Engine:
         config.verify_with_model_config(self.model_config)   # before any worker starts
         # One worker here (tensor_parallel_size=1), or one process per rank.
         self.executor = get_executor_class(config)(config, self.model_path, self.prompts.eos_token_ids,
-                                                   self.platform)
+                                                   self.platform, hf_config=self.model_config)
         config.num_kv_blocks = self._initialize_kv_caches()
         layout = self.executor.kv_cache_layout
         specs = [SlidingWindowSpec(config.block_size, g.sliding_window) if g.sliding_window

@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 
 
 class Executor(ABC):
+    """Built as ``cls(config, model_path, eos_token_ids, platform, hf_config=None)``."""
+
     @property
     @abstractmethod
     def kv_cache_layout(self):

@@ -79,7 +79,7 @@ class _Reply:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config, model_path, eos_token_ids: set[int], platform):
+    def __init__(self, config, model_path, eos_token_ids: set[int], platform, hf_config=None):
         self.world_size = config.tensor_parallel_size
         self._call_ids = iter(range(1, 1 << 62))
         self._failed: str | None = None
@@ -91,7 +91,7 @@ class MultiprocExecutor(Executor):
             proc = context.Process(
                 target=WorkerProc.worker_main, name=f"microvllm-tp-rank{rank}", daemon=True,
                 args=(rank, self.world_size, init_method, config, model_path, eos_token_ids,
-                      theirs, os.getpid()))
+                      hf_config, theirs, os.getpid()))
             proc.start()
             theirs.close()   # the child's end: ours would keep it open after the child dies
             self.procs.append(proc)
@@ -204,7 +204,7 @@ class WorkerProc:
     shard of the model, then runs whatever the executor sends until told to stop."""
 
     def __init__(self, rank: int, world_size: int, init_method: str, config, model_path,
-                 eos_token_ids: set[int]):
+                 eos_token_ids: set[int], hf_config=None):
         import torch
 
         from microvllm.distributed import init_distributed_environment
@@ -220,16 +220,16 @@ class WorkerProc:
             torch.cuda.set_device(rank)   # one GPU per rank
         init_distributed_environment(world_size, rank, init_method, backend="nccl" if on_gpu else "gloo",
                                      timeout_s=PROCESS_GROUP_TIMEOUT_S)
-        self.worker = Worker(config, model_path, eos_token_ids, platform)
+        self.worker = Worker(config, model_path, eos_token_ids, platform, hf_config)
 
     @staticmethod
-    def worker_main(rank, world_size, init_method, config, model_path, eos_token_ids, pipe,
-                    parent_pid: int) -> None:
+    def worker_main(rank, world_size, init_method, config, model_path, eos_token_ids, hf_config,
+                    pipe, parent_pid: int) -> None:
         """The worker process's entry point."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C: the engine process decides
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
         try:
-            proc = WorkerProc(rank, world_size, init_method, config, model_path, eos_token_ids)
+            proc = WorkerProc(rank, world_size, init_method, config, model_path, eos_token_ids, hf_config)
             worker = proc.worker
             pipe.send(_Reply(0, True, (worker.model.layout, worker.kv_cache_bytes_per_block())))
         except BaseException:

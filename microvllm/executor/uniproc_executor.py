@@ -9,8 +9,8 @@ from microvllm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config, model_path, eos_token_ids: set[int], platform):
-        self.worker = Worker(config, model_path, eos_token_ids, platform)
+    def __init__(self, config, model_path, eos_token_ids: set[int], platform, hf_config=None):
+        self.worker = Worker(config, model_path, eos_token_ids, platform, hf_config)
 
     @property
     def kv_cache_layout(self):

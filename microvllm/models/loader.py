@@ -49,10 +49,12 @@ def load_config(model_path: str | Path):
 
 
 def load_model(model_path: str | Path, backend, dtype="float32", max_position: int | None = None,
-               device: str | torch.device = "cpu"):
+               device: str | torch.device = "cpu", hf_config=None):
     """Build the model class named by config.json and fill it from the folder's safetensors.
-    The platform then prepares it (``Platform.process_weights_after_loading``)."""
-    config = load_config(model_path)
+    The platform then prepares it (``Platform.process_weights_after_loading``). ``hf_config``:
+    config.json already read (a tensor-parallel worker gets the engine's, and need not
+    import transformers' config machinery again)."""
+    config = hf_config if hf_config is not None else load_config(model_path)
     model_cls = resolve_model_class(config, where=str(Path(model_path) / "config.json"))
     torch_dtype = resolve_dtype(dtype)
     with torch.device("meta"):

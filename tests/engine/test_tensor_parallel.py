@@ -63,6 +63,15 @@ def test_tp2_matches_hf_under_chunking_preemption_and_prefix_caching(tiny_models
         assert any(s.prefix_hit_tokens for step in trace for s in step.scheduled), "no prefix-cache hit"
         if arch == "mistral":
             assert max(len(p) for p in prompts) + MAX_TOKENS > 8, "the sliding window should be active"
+        if arch == "llama":
+            # Seeded random sampling: every rank samples from the same gathered logits with the
+            # same generators; a rank that drew differently would feed the others wrong tokens.
+            sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True)
+                       for i in range(4)]
+            one_process = LLM(str(folder), max_model_len=128, num_kv_blocks=14, max_num_batched_tokens=32)
+            requests = [{"prompt_token_ids": p} for p in prompts[:4]]
+            assert [o.outputs[0].token_ids for o in llm.generate(requests, sampled, use_tqdm=False)] == \
+                   [o.outputs[0].token_ids for o in one_process.generate(requests, sampled, use_tqdm=False)]
     finally:
         llm.shutdown()
     assert_all_exited(pids)
