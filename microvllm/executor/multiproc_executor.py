@@ -41,7 +41,6 @@ Lifecycle, and never hanging:
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -54,8 +53,6 @@ from multiprocessing import get_context
 from multiprocessing.connection import wait
 
 from microvllm.executor.abstract import Executor
-
-logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0         # spawn, import torch, join the group, load the shard
 CALL_TIMEOUT_S = 600.0            # one step (or any other call) on every rank
@@ -151,8 +148,9 @@ class MultiprocExecutor(Executor):
                 proc, reply = self.procs[rank], _receive(self.pipes[rank])
                 if reply is None:
                     if not proc.is_alive():
+                        hint = _STARTUP_HINT if method == "startup" else ""
                         self._fail(f"worker rank {rank} (pid {proc.pid}) died during {method}() "
-                                   f"with exit code {proc.exitcode}" + (_STARTUP_HINT if method == "startup" else ""))
+                                   f"with exit code {proc.exitcode}{hint}")
                 elif reply.call_id == call_id:   # an older one answers an interrupted call
                     if not reply.ok:
                         self._fail(f"worker rank {rank} (pid {proc.pid}) raised in {method}():\n"

@@ -103,7 +103,8 @@ def shard_heads(total_num_heads: int, total_num_kv_heads: int, tp_size: int) -> 
     if total_num_kv_heads < tp_size and tp_size % total_num_kv_heads:
         raise ValueError(f"tensor_parallel_size={tp_size} is not a multiple of num_key_value_heads="
                          f"{total_num_kv_heads}: with fewer KV heads than ranks each KV head is copied "
-                         f"onto an equal number of ranks. Choose tensor_parallel_size from {sizes_that_work()}")
+                         f"onto an equal number of ranks. Choose tensor_parallel_size from "
+                         f"{sizes_that_work()}")
     replicas = max(1, tp_size // total_num_kv_heads)
     return total_num_heads // tp_size, max(1, total_num_kv_heads // tp_size), replicas
 
@@ -181,7 +182,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False):
         tp_size = get_tensor_model_parallel_world_size()
-        self.head_size, self.total_num_heads, self.total_num_kv_heads = head_size, total_num_heads, total_num_kv_heads
+        self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = shard_heads(
             total_num_heads, total_num_kv_heads, tp_size)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
@@ -191,13 +193,15 @@ class QKVParallelLinear(ColumnParallelLinear):
                       loaded_shard_id: str | None = None) -> None:
         """Checkpoint tensor ``q_proj``, ``k_proj`` or ``v_proj`` (``loaded_shard_id`` "q",
         "k", "v") -> this rank's heads of it, in their rows of the fused weight."""
-        d, q_size, kv_size = self.head_size, self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        d = self.head_size
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if loaded_shard_id == "q":
             offset, n, total, shard_rank = 0, q_size, self.total_num_heads * d, self.tp_rank
         elif loaded_shard_id in ("k", "v"):
             offset = q_size if loaded_shard_id == "k" else q_size + kv_size
             # copies of one KV head sit on consecutive ranks
-            n, total, shard_rank = kv_size, self.total_num_kv_heads * d, self.tp_rank // self.num_kv_head_replicas
+            n, total = kv_size, self.total_num_kv_heads * d
+            shard_rank = self.tp_rank // self.num_kv_head_replicas
         else:
             raise ValueError("is a fused weight: the checkpoint must store q, k and v separately")
         check_shape(loaded_weight, (total, *param.shape[1:]))
