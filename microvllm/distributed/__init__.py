@@ -24,6 +24,7 @@ from microvllm.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     get_tp_group,
     init_distributed_environment,
+    serve_rendezvous,
 )
 
 
@@ -39,4 +40,4 @@ def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
 __all__ = ["GroupCoordinator", "cleanup_dist_env_and_memory", "destroy_distributed_environment",
            "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_tp_group",
            "init_distributed_environment", "tensor_model_parallel_all_gather",
-           "tensor_model_parallel_all_reduce"]
+           "serve_rendezvous", "tensor_model_parallel_all_reduce"]

@@ -6,8 +6,13 @@ once, before it builds the model; the model's sharded layers then ask
 ``get_tp_group()`` how many ranks share each weight and which shard is theirs::
 
     rank 0 ─┐
-    rank 1 ─┼── one process group (gloo on a CPU, NCCL on CUDA), rendezvous over TCP
-    rank 2 ─┘   on 127.0.0.1, created with a timeout: a dead peer raises, never hangs
+    rank 1 ─┼── one process group (gloo on a CPU, NCCL on CUDA), created with a timeout:
+    rank 2 ─┘   a dead peer raises, never hangs
+
+The ranks find each other through a key-value store (``torch.distributed.TCPStore``) on
+127.0.0.1 that the engine process serves (``serve_rendezvous``): it binds a port the
+operating system picks, so no port is chosen first and taken by someone else before use
+(vLLM's ``init_method="tcp://host:port"`` with a port found free beforehand has that race).
 
 This module keeps that group in a module-level variable, as vLLM does: it is a fact
 about the whole process (one process is one rank), not about any one engine, and
@@ -55,16 +60,26 @@ _TP: GroupCoordinator | None = None
 _SINGLE = GroupCoordinator()
 
 
-def init_distributed_environment(world_size: int, rank: int, init_method: str,
+def serve_rendezvous(timeout_s: float = 60.0) -> dist.TCPStore:
+    """The store the ranks meet at, served from this process on a port the OS picks
+    (``store.port``); keep it alive as long as the ranks run."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def init_distributed_environment(world_size: int, rank: int, store_port: int,
                                  backend: str = "gloo", timeout_s: float = 60.0) -> GroupCoordinator:
-    """Join the process group as ``rank`` of ``world_size`` (every rank must call it; it
-    returns when all have). All ranks form one tensor-parallel group. ``timeout_s``
-    bounds every collective: a rank whose peer died raises instead of waiting forever."""
+    """Join the process group as ``rank`` of ``world_size`` through the store on
+    127.0.0.1:``store_port`` (every rank must call it; it returns when all have). All ranks
+    form one tensor-parallel group. ``timeout_s`` bounds the rendezvous and every
+    collective: a rank whose peer died raises instead of waiting forever."""
     global _TP
     if _TP is not None:
         raise RuntimeError("this process already belongs to a process group: one rank per process")
-    dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size,
-                            rank=rank, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank,
+                            timeout=timeout)
     _TP = GroupCoordinator(world_size, rank, dist.group.WORLD)
     return _TP
 

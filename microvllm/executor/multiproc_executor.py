@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import wait
 
+from microvllm.distributed import serve_rendezvous
 from microvllm.executor.abstract import Executor
 
 STARTUP_TIMEOUT_S = 600.0         # spawn, import torch, join the group, load the shard
@@ -81,13 +81,14 @@ class MultiprocExecutor(Executor):
         self._call_ids = iter(range(1, 1 << 62))
         self._failed: str | None = None
         context = get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # Where the ranks meet (torch.distributed's TCPStore), served from here.
+        self._rendezvous = serve_rendezvous(PROCESS_GROUP_TIMEOUT_S)
         self.procs, self.pipes = [], []
         for rank in range(self.world_size):
             ours, theirs = context.Pipe()
             proc = context.Process(
                 target=WorkerProc.worker_main, name=f"microvllm-tp-rank{rank}", daemon=True,
-                args=(rank, self.world_size, init_method, config, model_path, eos_token_ids,
+                args=(rank, self.world_size, self._rendezvous.port, config, model_path, eos_token_ids,
                       hf_config, theirs, os.getpid()))
             proc.start()
             theirs.close()   # the child's end: ours would keep it open after the child dies
@@ -172,13 +173,6 @@ def _receive(pipe) -> _Reply | None:
         return None
 
 
-def _free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for the process group's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop_workers(procs, pipes, grace_s: float = 5.0) -> None:
     """Ask every worker to exit, then terminate (SIGTERM), then kill those still running."""
     for pipe in pipes:
@@ -201,7 +195,7 @@ class WorkerProc:
     """One rank, in its own process: joins the process group, builds a ``Worker`` over its
     shard of the model, then runs whatever the executor sends until told to stop."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str, config, model_path,
+    def __init__(self, rank: int, world_size: int, store_port: int, config, model_path,
                  eos_token_ids: set[int], hf_config=None):
         import torch
 
@@ -216,18 +210,18 @@ class WorkerProc:
         on_gpu = platform.device.type == "cuda"
         if on_gpu:
             torch.cuda.set_device(rank)   # one GPU per rank
-        init_distributed_environment(world_size, rank, init_method, backend="nccl" if on_gpu else "gloo",
+        init_distributed_environment(world_size, rank, store_port, backend="nccl" if on_gpu else "gloo",
                                      timeout_s=PROCESS_GROUP_TIMEOUT_S)
         self.worker = Worker(config, model_path, eos_token_ids, platform, hf_config)
 
     @staticmethod
-    def worker_main(rank, world_size, init_method, config, model_path, eos_token_ids, hf_config,
+    def worker_main(rank, world_size, store_port, config, model_path, eos_token_ids, hf_config,
                     pipe, parent_pid: int) -> None:
         """The worker process's entry point."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C: the engine process decides
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
         try:
-            proc = WorkerProc(rank, world_size, init_method, config, model_path, eos_token_ids, hf_config)
+            proc = WorkerProc(rank, world_size, store_port, config, model_path, eos_token_ids, hf_config)
             worker = proc.worker
             pipe.send(_Reply(0, True, (worker.model.layout, worker.kv_cache_bytes_per_block())))
         except BaseException:
