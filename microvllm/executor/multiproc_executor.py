@@ -146,18 +146,34 @@ class MultiprocExecutor(Executor):
             wait([self.pipes[r] for r in waiting] + [self.procs[r].sentinel for r in waiting],
                  timeout=min(remaining, 1.0))
             for rank in waiting:
-                proc, reply = self.procs[rank], _receive(self.pipes[rank])
-                if reply is None:
-                    if not proc.is_alive():
-                        hint = _STARTUP_HINT if method == "startup" else ""
-                        self._fail(f"worker rank {rank} (pid {proc.pid}) died during {method}() "
-                                   f"with exit code {proc.exitcode}{hint}")
-                elif reply.call_id == call_id:   # an older one answers an interrupted call
-                    if not reply.ok:
-                        self._fail(f"worker rank {rank} (pid {proc.pid}) raised in {method}():\n"
-                                   f"{reply.value}")
+                reply = _receive(self.pipes[rank])
+                if reply is not None and reply.call_id != call_id:
+                    continue   # it answers an older call, one that Ctrl-C interrupted
+                if reply is not None and reply.ok:
                     replies[rank] = reply
+                    continue
+                # An error, or no answer yet. A death is the root cause: after one, the other
+                # ranks fail in their collectives ("Connection reset by peer"), so it comes first.
+                self._fail_if_a_worker_died(method, raised=None if reply is None else (rank, reply.value))
+                pid = self.procs[rank].pid
+                if reply is not None:
+                    self._fail(f"worker rank {rank} (pid {pid}) raised in {method}():\n{reply.value}")
+                if not self.procs[rank].is_alive():
+                    self._fail(f"worker rank {rank} (pid {pid}) exited during {method}() without answering")
         return replies[0].value
+
+    def _fail_if_a_worker_died(self, method: str, raised: tuple[int, str] | None) -> None:
+        """Fail naming the first worker that died (killed, crashed: a non-zero exit code; a
+        worker that reported its error exits with 0), and what another rank then raised."""
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive() and proc.exitcode != 0:
+                message = (f"worker rank {rank} (pid {proc.pid}) died during {method}() "
+                           f"with exit code {proc.exitcode}")
+                if method == "startup":
+                    message += _STARTUP_HINT
+                if raised:
+                    message += f"; then rank {raised[0]} raised: {raised[1].strip().splitlines()[-1]}"
+                self._fail(message)
 
     def _fail(self, message: str):
         self._failed = message.splitlines()[0]
