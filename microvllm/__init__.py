@@ -13,7 +13,7 @@ The names a vLLM offline script imports are here too, from where each lives::
     LLMEngine                     engine/engine.py        the step loop (add_request / step)
     TokensPrompt, TextPrompt      inputs.py
     FlexibleArgumentParser        cli/parser.py
-    cleanup_dist_env_and_memory   distributed.py          (one process: a garbage collection)
+    cleanup_dist_env_and_memory   distributed/            (destroys a process group, collects garbage)
 """
 
 import logging

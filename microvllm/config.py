@@ -54,6 +54,10 @@ class EngineConfig:
     """On CUDA: the fraction of the GPU's free memory this engine may use (weights,
     activations and KV cache); the KV cache gets what the rest leaves. Unused on a CPU."""
     seed: int = 0
+    tensor_parallel_size: int = 1
+    """Split the model over this many worker processes (ranks) with torch.distributed;
+    1 runs it in this process (``executor/``). The heads, the MLP and the vocabulary are
+    split: see ``verify_with_model_config``."""
     trace: bool = False
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     debug_invariants: bool = False
@@ -107,6 +111,7 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"seed={self.seed!r} must be an int")
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.max_model_len is not None and self.max_num_batched_tokens is not None:
             self._check_chunking()  # else finalize() checks it, once the model is known
 
@@ -135,6 +140,17 @@ class EngineConfig:
             # whole longest prompt must fit in one step.
             self.max_num_batched_tokens = 1024 if self.enable_chunked_prefill else self.max_model_len
         self._check_chunking()
+
+    def verify_with_model_config(self, hf_config) -> None:
+        """Refuse a ``tensor_parallel_size`` the model cannot be split by, from config.json,
+        before any worker process starts (vLLM: ``ModelConfig.verify_with_parallel_config``):
+        the query heads, the KV heads (or the ranks, when there are fewer KV heads) and the
+        MLP's intermediate size must divide evenly. The vocabulary need not: it is padded."""
+        from microvllm.layers.linear import divide, shard_heads
+
+        tp = self.tensor_parallel_size
+        shard_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
+        divide(hf_config.intermediate_size, tp, "intermediate_size")
 
 
 # What ``components=`` can replace, and where the engine builds each one.

@@ -55,9 +55,13 @@ class LLM:
         trace: record every engine step for the course's widgets (``llm.trace``).
         enforce_eager: run the model exactly as the notebooks write it (every layer's
             ``forward_native``, no compiled kernel, no decode fast path): same tokens, slower.
-        tensor_parallel_size, trust_remote_code, tokenizer, disable_log_stats: vLLM's,
-            accepted where they make sense on one CPU process (each logs what it does);
-            see ``EngineArgs`` for every setting.
+        tensor_parallel_size: split the model over this many worker processes (vLLM's
+            tensor parallelism, over torch.distributed: ``executor/multiproc_executor.py``);
+            1 (the default) runs it in this process. The workers stop with ``shutdown()``,
+            when the ``LLM`` is garbage collected, or when the interpreter exits.
+        trust_remote_code, tokenizer, disable_log_stats: vLLM's, accepted where they make
+            sense on one CPU process (each logs what it does); see ``EngineArgs`` for
+            every setting.
 
     An unknown argument raises ``TypeError`` naming the closest valid one, or saying
     that it is a vLLM option microvllm does not implement.
@@ -194,6 +198,11 @@ class LLM:
 
 
     # ------------------------------------------------------ vLLM's surface
+    def shutdown(self) -> None:
+        """Stop the worker processes of ``tensor_parallel_size > 1`` now (a no-op with one
+        process); the LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         """The Hugging Face tokenizer (``apply_chat_template(..., tokenize=False)`` and all)."""
         return self.engine.get_tokenizer()

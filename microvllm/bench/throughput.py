@@ -181,7 +181,7 @@ def make_llm(model_path: Path, args, **options):
     if args.attention_backend is not None:
         options["attention_backend"] = args.attention_backend
     return LLM(str(model_path), dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
-               **options)
+               tensor_parallel_size=args.tensor_parallel_size, **options)
 
 
 def microvllm_generate(llm, workload: Workload, name: str = "microvllm",
@@ -378,7 +378,9 @@ def bench_random(args, model_path: Path, cost: ModelCost, dtype: torch.dtype,
               for name, r in hf_results.items() if isinstance(r, RunResult)]
     if ratios:
         print("   ".join(ratios))
+    tensor_parallel = config.tensor_parallel_size
     print(f"  microvllm: {num_steps} steps, attention backend {config.attention_backend!r}, "
+          + (f"tensor_parallel_size {tensor_parallel}, " if tensor_parallel > 1 else "") +
           f"{'enforce_eager (plain torch), ' if config.enforce_eager else ''}"
           f"max_num_batched_tokens {config.max_num_batched_tokens}, max_num_seqs {config.max_num_seqs}, "
           f"prefix caching {'on' if config.enable_prefix_caching else 'off'}")
@@ -662,6 +664,9 @@ def parse_args(argv):
     parser.add_argument("--repeat", type=int,
                         help="time HF's static batch and microvllm this many times, in turn, and "
                              "report the pair of median ratio (3; quick: 1)")
+    parser.add_argument("--tensor-parallel-size", type=_positive, default=1, metavar="N",
+                        help="run microvllm's model over N worker processes (tensor parallelism; "
+                             "each uses cpu_count / N threads)")
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps at the largest decode batch (torch ops, Python)")
     args = parser.parse_args(argv)
@@ -678,6 +683,9 @@ def parse_args(argv):
         parser.error("--num-requests must be at least 1")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.profile and args.tensor_parallel_size > 1:
+        parser.error("--profile profiles this process, but with --tensor-parallel-size > 1 the model "
+                     "runs in worker processes: profile with --tensor-parallel-size 1")
     return args
 
 

@@ -1,7 +1,7 @@
 """``microvllm generate | bench | serve`` (also ``python -m microvllm ...``).
 
     microvllm generate "The capital of France is" --max-tokens 24 [--chat] [engine flags]
-    microvllm bench throughput [--quick] [--num-prompts N --input-len L --output-len L]
+    microvllm bench throughput [--quick] [--num-prompts N --input-len L --output-len L] [--tensor-parallel-size N]
     microvllm bench attention               (needs a CUDA GPU)
     microvllm bench gpu                     the engine on a CUDA GPU: correctness and speed
     microvllm serve [MODEL] --port 8000 [engine flags]     OpenAI-compatible server

@@ -20,7 +20,7 @@ scheduler's state through it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -68,6 +68,12 @@ class SchedulerOutput:
             value = getattr(self, name)
             if not isinstance(value, MappingProxyType):
                 object.__setattr__(self, name, _frozen_mapping(value))
+
+    def __reduce__(self):
+        # Pickled with plain dicts (a read-only view cannot be pickled), frozen again on
+        # arrival: the MultiprocExecutor sends each plan to its worker processes.
+        values = [getattr(self, f.name) for f in fields(self)]
+        return (type(self), tuple(dict(v) if isinstance(v, MappingProxyType) else v for v in values))
 
     @property
     def is_empty(self) -> bool:

@@ -11,7 +11,7 @@ The same settings reach the engine three ways, all through this class::
 
 ``create_engine_config`` is where vLLM options that mean something else on one CPU
 process are translated (each says what it does in one log line) or refused with a
-reason: ``tensor_parallel_size``, ``gpu_memory_utilization``, ``trust_remote_code``,
+reason: ``gpu_memory_utilization``, ``trust_remote_code``,
 ``tokenizer``, ``disable_log_stats``, ``dtype="auto"``.
 """
 
@@ -91,7 +91,7 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata=_cli(
         "attention backend name: auto, torch, cpu, triton, ..."))
     tensor_parallel_size: int = field(default=1, metadata=_cli(
-        "only 1: tensor parallelism is not implemented yet"))
+        "split the model over this many worker processes (torch.distributed); 1: this process"))
     enforce_eager: bool = field(default=False, metadata=_cli(
         "run the plain model code the notebooks show: no C++ kernels, no packed weights, "
         "no decode fast path (same tokens, slower)"))
@@ -178,9 +178,6 @@ class EngineArgs:
         return max(budget, 1)
 
     def _check_process_options(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r}: tensor parallelism is "
-                             "not implemented yet; use tensor_parallel_size=1 (one process)")
         if self.trust_remote_code:
             raise ValueError("trust_remote_code=True: microvllm never runs code from a model folder; "
                              "it runs its own Llama, Mistral and Qwen3 code. Remove trust_remote_code")

@@ -130,6 +130,8 @@ class AsyncLLM:
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("the engine-core thread did not stop within %.0f s", timeout)
+        else:
+            self.engine.shutdown()   # tensor parallelism: stop the worker processes
 
     # ---------------------------------------------- the engine-core thread
     def _run_engine_loop(self) -> None:

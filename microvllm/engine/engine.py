@@ -1,6 +1,7 @@
 """Engine: the step loop that ties scheduler, executor and output processing together.
 
-    __init__: platform ──> config.finalize ──> Executor (loads the model)
+    __init__: platform ──> config.finalize ──> Executor (loads the model: here, or in
+              tensor_parallel_size worker processes, one shard each)
               ──> _initialize_kv_caches (how many blocks) ──> KV cache manager, Scheduler
 
     add_request(id, prompt, params)
@@ -39,7 +40,7 @@ from microvllm.detokenizer import IncrementalDetokenizer
 from microvllm.engine.output_processor import OutputProcessor
 from microvllm.engine.prompts import PromptProcessor
 from microvllm.engine.step_tracer import StepTracer
-from microvllm.executor import Executor
+from microvllm.executor import get_executor_class
 from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
 from microvllm.platforms import get_platform
@@ -77,7 +78,10 @@ class Engine:
                         device=self.platform.device.type, dtype=dtype)
         self.prompts = PromptProcessor.from_model_folder(self.model_path)
         self.prompts.vocab_size = self.model_config.vocab_size
-        self.executor = Executor(config, self.model_path, self.prompts.eos_token_ids, self.platform)
+        config.verify_with_model_config(self.model_config)   # before any worker starts
+        # One worker here (tensor_parallel_size=1), or one process per rank.
+        self.executor = get_executor_class(config)(config, self.model_path, self.prompts.eos_token_ids,
+                                                   self.platform, hf_config=self.model_config)
         config.num_kv_blocks = self._initialize_kv_caches()
         layout = self.executor.kv_cache_layout
         specs = [SlidingWindowSpec(config.block_size, g.sliding_window) if g.sliding_window
@@ -225,6 +229,11 @@ class Engine:
             self.check_invariants()
         self.num_steps += 1
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (with ``tensor_parallel_size > 1``); they
+        also stop when the engine is garbage collected or the interpreter exits."""
+        self.executor.shutdown()
 
     def check_invariants(self) -> None:
         """Block pool accounting + scheduler bookkeeping + output bookkeeping."""

@@ -13,7 +13,14 @@ In the code ``h`` is carried as ``residual`` and each ``h = h + ...`` is done by
 next RMSNorm, fused with it (``RMSNorm(x, residual)``), as vLLM's models do.
 
 Projections are fused (q/k/v in one matmul, gate/up in one matmul): the loader
-stacks Hugging Face's separate weights into them. Mistral adds a sliding window;
+stacks Hugging Face's separate weights into them.
+
+Tensor parallelism (``tensor_parallel_size=N``, N processes) uses vLLM's sharded layers:
+each rank holds 1/N of the heads (``QKVParallelLinear``) and of the MLP
+(``MergedColumnParallelLinear``), and ``o_proj`` / ``down_proj`` (``RowParallelLinear``)
+all-reduce their partial sums, so ``h`` is whole on every rank after every layer. The
+embedding and the LM head split the vocabulary (``vocab_parallel_embedding.py``). With
+N = 1 these are plain ``Linear`` / embedding layers: no communication. Mistral adds a sliding window;
 Qwen3 adds an RMSNorm on each query and key head (``qk_norm``) and an explicit
 ``head_dim``: both are options of this one class.
 """
@@ -28,8 +35,10 @@ from microvllm.attention.metadata import AttentionMetadata
 from microvllm.layers.activation import SiluAndMul
 from microvllm.layers.attention import Attention
 from microvllm.layers.layernorm import RMSNorm
-from microvllm.layers.linear import Linear
+from microvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from microvllm.layers.logits_processor import LogitsProcessor
 from microvllm.layers.rotary_embedding import ApplyRotaryEmb, RotaryEmbedding
+from microvllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from microvllm.models.kv_cache_layout import KVCacheLayout
 
 
@@ -37,14 +46,16 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, layout: KVCacheLayout, backend: AttentionBackend,
                  qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_num_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_num_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_num_heads,
+                                          config.num_key_value_heads, bias=bias)
+        # This rank's heads (all of them with tensor_parallel_size=1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = ApplyRotaryEmb()
@@ -70,8 +81,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
@@ -111,12 +123,13 @@ class LlamaForCausalLM(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         max_position = max_position or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.layout, backend, self.qk_norm)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tie_weights()
 
@@ -141,11 +154,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [rows, hidden_size]`` -> ``logits [rows, vocab_size]``."""
-        return self.lm_head(hidden)
+        """``hidden [rows, hidden_size]`` -> ``logits [rows, vocab_size]`` (whole, on every
+        rank: ``LogitsProcessor`` gathers the ranks' slices)."""
+        return self.logits_processor(self.lm_head, hidden)
 
-    # Hugging Face checkpoint names -> our fused parameters: (ours, theirs, shard index).
+    # Hugging Face checkpoint names -> our fused parameters: (ours, theirs, shard id), the
+    # shard id being what the fused layer's weight_loader takes (vLLM's stacked_params_mapping).
     stacked_params = [
-        ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
     ]

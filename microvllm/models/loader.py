@@ -9,6 +9,11 @@ into its slice of the fused parameter::
       rows q_size .. +kv_size    <- k_proj.weight        rows inter .. 2*inter <- up_proj.weight
       rows .. end                <- v_proj.weight
 
+With tensor parallelism each rank reads the whole checkpoint tensor and keeps its part:
+the loader hands it to the parameter's ``weight_loader`` (set by the sharded layer, as in
+vLLM: ``layers/linear.py``, ``layers/vocab_parallel_embedding.py``), with the shard id
+(``"q"``, ``"k"``, ``"v"``; 0, 1 for gate, up) for a fused parameter.
+
 Every parameter must be filled exactly once; anything missing, extra or of the
 wrong shape is an error naming the file and the tensor.
 """
@@ -22,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from microvllm.config import resolve_dtype
+from microvllm.layers.linear import check_shape
 from microvllm.models.registry import resolve_model_class
 
 
@@ -43,17 +49,25 @@ def load_config(model_path: str | Path):
 
 
 def load_model(model_path: str | Path, backend, dtype="float32", max_position: int | None = None,
-               device: str | torch.device = "cpu"):
+               device: str | torch.device = "cpu", hf_config=None):
     """Build the model class named by config.json and fill it from the folder's safetensors.
-    The platform then prepares it (``Platform.process_weights_after_loading``)."""
-    config = load_config(model_path)
+    The platform then prepares it (``Platform.process_weights_after_loading``). ``hf_config``:
+    config.json already read (a tensor-parallel worker gets the engine's, and need not
+    import transformers' config machinery again)."""
+    config = hf_config if hf_config is not None else load_config(model_path)
     model_cls = resolve_model_class(config, where=str(Path(model_path) / "config.json"))
     torch_dtype = resolve_dtype(dtype)
     with torch.device("meta"):
         model = model_cls(config, backend, max_position=max_position)
     # Built on the meta device (no time spent on random init), then materialised.
+    # to_empty makes new Parameters, without the weight_loader attributes the layers set.
+    weight_loaders = {name: p.weight_loader for name, p in model.named_parameters()
+                      if hasattr(p, "weight_loader")}
     model = model.to_empty(device=device)
     model.tie_weights()  # to_empty gave the tied output projection its own tensor
+    for name, param in model.named_parameters():
+        if name in weight_loaders:
+            param.weight_loader = weight_loaders[name]
     model.rotary.build_table(device)  # buffers are not in the checkpoint
     load_weights(model, Path(model_path))
     model = model.to(torch_dtype).eval()
@@ -71,7 +85,8 @@ def _checkpoint_files(folder: Path) -> list[Path]:
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:
     params = dict(model.named_parameters())
-    filled: dict[str, int] = {}  # our parameter name -> rows filled (fused ones fill in parts)
+    # our parameter name -> the shard ids filled (None for an unfused parameter)
+    filled: dict[str, set] = {}
     tied = getattr(model, "tie_word_embeddings", False)
     for file in _checkpoint_files(folder):
         try:
@@ -91,15 +106,16 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
                     raise ValueError(f"{file}: tensor {hf_name!r} could not be read ({e}); "
                                      "the file is truncated or corrupt") from e
                 _copy_tensor(model, params, filled, hf_name, tensor, file)
-    missing = [name for name, p in params.items() if filled.get(name, 0) != p.shape[0]]
+    expected = _expected_shards(model, params)
+    missing = [name for name in params if filled.get(name, set()) != expected[name]]
     if missing:
         raise ValueError(f"{folder}: the checkpoint is missing tensors for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} (config.json and the "
                          "safetensors files do not describe the same model)")
 
 
-def _our_name(model, hf_name: str) -> tuple[str, int | None]:
-    """``model.layers.3.self_attn.k_proj.weight`` -> (``layers.3.self_attn.qkv_proj.weight``, 1)."""
+def _our_name(model, hf_name: str) -> tuple[str, int | str | None]:
+    """``model.layers.3.self_attn.k_proj.weight`` -> (``layers.3.self_attn.qkv_proj.weight``, "k")."""
     name = hf_name.removeprefix("model.")
     for fused, part, shard in model.stacked_params:
         if f".{part}." in name:
@@ -107,30 +123,37 @@ def _our_name(model, hf_name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _expected_shards(model, params) -> dict[str, set]:
+    """Which shard ids must fill each parameter: all of its parts for a fused one, else {None}."""
+    parts: dict[str, set] = {}
+    for fused, _, shard in model.stacked_params:
+        parts.setdefault(fused, set()).add(shard)
+    return {name: next((ids for fused, ids in parts.items() if f".{fused}." in name), {None})
+            for name in params}
+
+
 def _copy_tensor(model, params, filled, hf_name, tensor, file) -> None:
+    """Hand the whole checkpoint tensor to the parameter's ``weight_loader``, which copies
+    the part this rank holds (vLLM's scheme; a parameter without one is copied whole)."""
     name, shard = _our_name(model, hf_name)
     if name not in params:
         raise ValueError(f"{file}: unexpected tensor {hf_name!r} {tuple(tensor.shape)}: "
                          f"this {type(model).__name__} has no such weight (wrong architecture "
                          "in config.json, or an unsupported variant)")
     param = params[name]
-    if shard is None:
-        offset, size = 0, param.shape[0]
-    else:
-        sizes = _shard_sizes(model, name, param)
-        offset, size = sum(sizes[:shard]), sizes[shard]
-    expected = (size, *param.shape[1:])
-    if tuple(tensor.shape) != expected:
-        raise ValueError(f"{file}: tensor {hf_name!r} has shape {tuple(tensor.shape)} but "
-                         f"config.json implies {expected}")
-    with torch.no_grad():
-        param[offset:offset + size].copy_(tensor)
-    filled[name] = filled.get(name, 0) + size
+    weight_loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        with torch.no_grad():
+            if shard is None:
+                weight_loader(param, tensor)
+            else:
+                weight_loader(param, tensor, shard)
+    except ValueError as e:
+        raise ValueError(f"{file}: tensor {hf_name!r} {e}") from e
+    filled.setdefault(name, set()).add(shard)
 
 
-def _shard_sizes(model, name, param) -> list[int]:
-    if ".qkv_proj." in name:
-        attn = model.get_submodule(name.rsplit(".qkv_proj.", 1)[0])
-        return [attn.q_size, attn.kv_size, attn.kv_size]
-    half = param.shape[0] // 2  # gate_up_proj
-    return [half, half]
+def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """A parameter every rank holds whole (norms): copy the checkpoint tensor as it is."""
+    check_shape(loaded_weight, param.shape)
+    param.data.copy_(loaded_weight)

@@ -7,6 +7,10 @@ KV cache, one tensor per layer (block 0 is the null block, never written)::
 
     bytes per block = layers x 2 x block_size x num_kv_heads x head_dim x dtype size
 
+With tensor parallelism each rank's worker holds only its own KV heads
+(``num_kv_heads`` per rank), in the same number of blocks on every rank: the
+scheduler's block ids are global.
+
 The engine decides how many blocks (``Engine._initialize_kv_caches``, as vLLM's
 ``EngineCore``); the worker says what one costs and allocates them. On a GPU it also
 measures what is left for them (``profile_memory``: ``worker/gpu_memory.py``).
@@ -29,7 +33,7 @@ from microvllm.worker.profile_run import profile_run
 
 
 class Worker:
-    def __init__(self, config, model_path, eos_token_ids: set[int], platform: Platform):
+    def __init__(self, config, model_path, eos_token_ids: set[int], platform: Platform, hf_config=None):
         self.config, self.platform, self.eos_token_ids = config, platform, eos_token_ids
         self.dtype = resolve_dtype(config.dtype)
         self.backend = get_attention_backend(config.attention_backend)
@@ -45,7 +49,7 @@ class Worker:
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         self.model, self.hf_config = load_model(model_path, self.backend, dtype=config.dtype,
-                                                device=platform.device)
+                                                device=platform.device, hf_config=hf_config)
         # The platform's versions of the ops (packed weights, C++ kernels), chosen once.
         platform.process_weights_after_loading(self.model)
         self.kv_caches: list[torch.Tensor] = []

@@ -245,8 +245,8 @@ SETTING_CASES = {
                                             ["gpu_memory_utilization=1.5", "(0, 1]"], True),
     "trust_remote_code": (dict(trust_remote_code=True), ValueError,
                           ["trust_remote_code=true", "never runs code", "remove trust_remote_code"], True),
-    "tensor parallel": (dict(tensor_parallel_size=2), ValueError,
-                        ["tensor_parallel_size=2", "not implemented yet", "tensor_parallel_size=1"], True),
+    "tensor parallel size 0": (dict(tensor_parallel_size=0), ValueError,
+                               ["tensor_parallel_size=0", "at least 1"], True),
     "separate tokenizer": (dict(tokenizer="gpt2"), ValueError, ["tokenizer='gpt2'", "remove tokenizer="], True),
     "option typo": (dict(num_kv_block=8), TypeError, ["'num_kv_block'", "did you mean 'num_kv_blocks'"], True),
 }

@@ -53,6 +53,7 @@ import ctypes
 import torch
 
 from microvllm.attention.metadata import AttentionMetadata
+from microvllm.distributed import get_tensor_model_parallel_world_size
 from microvllm.layers.linear import Linear
 from microvllm.platforms.cpu import attention as attention_kernels
 from microvllm.platforms.cpu import kernels
@@ -99,6 +100,10 @@ class Buffers(ctypes.Structure):
 def unsupported_reason(model) -> str | None:
     """None if ``model``'s decode steps can take the fast path here, else why not."""
     dtype = model.embed_tokens.weight.dtype
+    if get_tensor_model_parallel_world_size() > 1:
+        # The C loop runs whole layers: it has no all-reduce after o_proj and down_proj,
+        # so on a shard it would compute partial sums and wrong tokens.
+        return "tensor parallelism (the C layer loop does not all-reduce between ranks)"
     if dtype not in GEMM_KERNELS:
         return f"{dtype} (the fast path runs float32 and bfloat16)"
     if model.embed_tokens.weight.device.type != "cpu":

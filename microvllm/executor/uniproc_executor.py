@@ -1,16 +1,16 @@
-"""Executor: the engine's handle on the workers. vLLM spreads a model over many GPUs
-(tensor/pipeline parallel) behind this seam; microvllm has exactly one worker in
-this process, so the executor only forwards — but the seam is kept so the engine
-never touches a tensor."""
+"""``UniProcExecutor``: one worker, in the engine's own process (``tensor_parallel_size=1``;
+vLLM: ``vllm/v1/executor/uniproc_executor.py``). It only forwards: no process group, no
+communication, so a breakpoint in the model is hit in this process."""
 
 from __future__ import annotations
 
+from microvllm.executor.abstract import Executor
 from microvllm.worker.worker import Worker
 
 
-class Executor:
-    def __init__(self, config, model_path, eos_token_ids: set[int], platform):
-        self.worker = Worker(config, model_path, eos_token_ids, platform)
+class UniProcExecutor(Executor):
+    def __init__(self, config, model_path, eos_token_ids: set[int], platform, hf_config=None):
+        self.worker = Worker(config, model_path, eos_token_ids, platform, hf_config)
 
     @property
     def kv_cache_layout(self):

@@ -1,0 +1,49 @@
+"""``Executor``: what the engine asks of the workers, however many there are (vLLM:
+``vllm/v1/executor/abstract.py``)::
+
+    engine ──> executor.kv_cache_layout            which layers share a block table
+               executor.kv_cache_bytes_per_block() what one block costs (on one rank)
+               executor.profile_memory()           on a GPU: what is left for the cache
+               executor.initialize_kv_cache(n)     allocate n blocks (on every rank)
+               executor.execute_model(plan)        one step -> ModelRunnerOutput
+               executor.shutdown()                 stop the workers (if any)
+
+``get_executor_class(config)`` (in ``executor/__init__.py``) picks the implementation:
+``UniProcExecutor`` for ``tensor_parallel_size=1`` (the worker in this process, no
+torch.distributed), ``MultiprocExecutor`` for more. (vLLM's is ``Executor.get_class``, a
+method of this class; here it sits in the package so that the interface imports neither
+implementation.)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class Executor(ABC):
+    """Built as ``cls(config, model_path, eos_token_ids, platform, hf_config=None)``."""
+
+    @property
+    @abstractmethod
+    def kv_cache_layout(self):
+        """The model's ``KVCacheLayout`` (the same on every rank)."""
+
+    @abstractmethod
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one KV block on one rank (a rank holds only its KV heads)."""
+
+    @abstractmethod
+    def profile_memory(self):
+        """On a GPU: run the profiling pass and return the ``MemoryProfile``."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks per layer on every rank: the scheduler's block
+        ids are global, so every rank holds the same blocks (of its own heads)."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output):
+        """Run one step's plan; return rank 0's ``ModelRunnerOutput``."""
+
+    def shutdown(self) -> None:
+        """Stop whatever the executor started (nothing, in one process)."""
