@@ -23,10 +23,24 @@ returns a group of one, whose collectives return their input.
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CommunicationStats:
+    """What this rank's collectives cost so far (notebook 12 reads it to split a step's
+    time into communication and compute). ``seconds`` is wall time inside the collectives,
+    so it includes waiting for the slowest rank to arrive."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    bytes: int = 0      # this rank's tensors handed to the collectives
 
 
 class GroupCoordinator:
@@ -36,13 +50,23 @@ class GroupCoordinator:
     def __init__(self, world_size: int = 1, rank_in_group: int = 0, device_group=None):
         self.world_size, self.rank_in_group = world_size, rank_in_group
         self.device_group = device_group   # a torch.distributed group; None for a group of one
+        self.stats = CommunicationStats()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` summed, on every rank (in place)."""
         if self.world_size == 1:
             return x
-        dist.all_reduce(x, group=self.device_group)
+        with self._counted(x):
+            dist.all_reduce(x, group=self.device_group)
         return x
+
+    @contextmanager
+    def _counted(self, x: torch.Tensor):
+        start = time.perf_counter()
+        yield
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.calls += 1
+        self.stats.bytes += x.numel() * x.element_size()
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, rank 0's first, on every rank::
@@ -52,7 +76,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        with self._counted(x):
+            dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
 
 
@@ -87,6 +112,19 @@ def init_distributed_environment(world_size: int, rank: int, store_port: int,
 def get_tp_group() -> GroupCoordinator:
     """This process's tensor-parallel group (a group of one when there is none)."""
     return _TP if _TP is not None else _SINGLE
+
+
+@contextmanager
+def as_rank(world_size: int, rank: int):
+    """Build layers here, in this process, as rank ``rank`` of ``world_size`` would build
+    them, to look at a rank's shards (notebook 12, the layer tests). There is no process
+    group behind it: a collective run inside fails."""
+    global _TP
+    saved, _TP = _TP, GroupCoordinator(world_size, rank)
+    try:
+        yield _TP
+    finally:
+        _TP = saved
 
 
 def get_tensor_model_parallel_world_size() -> int:

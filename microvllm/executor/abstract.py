@@ -6,6 +6,7 @@
                executor.profile_memory()           on a GPU: what is left for the cache
                executor.initialize_kv_cache(n)     allocate n blocks (on every rank)
                executor.execute_model(plan)        one step -> ModelRunnerOutput
+               executor.collective_rpc(name)       any other Worker method, on every rank
                executor.shutdown()                 stop the workers (if any)
 
 ``get_executor_class(config)`` (in ``executor/__init__.py``) picks the implementation:
@@ -44,6 +45,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output):
         """Run one step's plan; return rank 0's ``ModelRunnerOutput``."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args):
+        """Run ``Worker.<method>(*args)`` on every rank; return rank 0's result."""
 
     def shutdown(self) -> None:
         """Stop whatever the executor started (nothing, in one process)."""

@@ -27,3 +27,7 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output):
         return self.worker.execute_model(scheduler_output)
+
+    def collective_rpc(self, method: str, *args):
+        """Run ``Worker.<method>(*args)`` on the one worker (vLLM's name)."""
+        return getattr(self.worker, method)(*args)

@@ -18,10 +18,13 @@ measures what is left for them (``profile_memory``: ``worker/gpu_memory.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from microvllm.attention.selector import get_attention_backend
 from microvllm.config import component, resolve_dtype
+from microvllm.distributed.parallel_state import CommunicationStats, get_tp_group
 from microvllm.models.loader import load_model
 from microvllm.platforms import Platform
 from microvllm.sample.on_device import place_sampler_on
@@ -95,3 +98,7 @@ class Worker:
 
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)
+
+    def communication_stats(self) -> CommunicationStats:
+        """This rank's collectives so far: time, count, bytes (all zero in one process)."""
+        return dataclasses.replace(get_tp_group().stats)
