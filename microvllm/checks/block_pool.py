@@ -102,6 +102,22 @@ def check_block_pool(pool_class, *, max_examples: int = 60, quiet: bool = False)
                    f"{pool.get_num_free_blocks()} free blocks",
                hint="check every block first (all ref_cnt > 0), then drop the references")
         check(pool, blocks[:2], blocks[3:], after=what)
+        # A block listed twice drops two references: with only one, the call is refused whole.
+        what = "get_new_blocks(4) -> [1, 2, 3, 4]; free_blocks([3]); free_blocks([4, 4])"
+        try:
+            pool.free_blocks([blocks[3], blocks[3]])
+        except ValueError:
+            pass
+        else:
+            raise CheckFailure("free_blocks([4, 4]) with one reference on block 4 must raise ValueError",
+                               input=what, expected="ValueError", got="no error",
+                               hint="a block listed twice drops two references: count how often each "
+                                    "block appears, and compare with its ref_cnt before changing anything")
+        expect(blocks[3].ref_cnt == 1 and not blocks[3].is_free,
+               "a refused free_blocks([4, 4]) must change nothing", input=what,
+               expected="block 4: ref_cnt 1, not in the free queue",
+               got=f"block 4: ref_cnt {blocks[3].ref_cnt}, in the free queue: {blocks[3].is_free}",
+               hint="check every block first (counting repeats), then drop the references")
 
     def shared_blocks_stay_in_use():
         pool = pool_class(4)

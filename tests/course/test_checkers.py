@@ -97,6 +97,18 @@ class PoolFreesTwice(BlockPool):
                 self.free_block_queue.append(block)
 
 
+class PoolMissesRepeats(BlockPool):
+    def free_blocks(self, ordered_blocks):
+        blocks = [block for block in ordered_blocks if not block.is_null]
+        for block in blocks:   # checks each block once, not counting a block listed twice
+            if block.ref_cnt <= 0:
+                raise ValueError("freed twice")
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+
 class PoolKeepsHashes(BlockPool):
     def get_new_blocks(self, num_blocks):
         if num_blocks > self.get_num_free_blocks():
@@ -119,6 +131,8 @@ def test_block_pool_checker():
     caught(checks.check_block_pool(PoolFreesTwice, quiet=True),
            r"block 3 came back from free_blocks\(\) twice.*must not be pushed onto the free queue again")
     caught(checks.check_block_pool(PoolKeepsHashes, quiet=True), r"must lose its hash")
+    caught(checks.check_block_pool(PoolMissesRepeats, quiet=True),
+           r"free_blocks\(\[4, 4\]\) with one reference on block 4 must raise ValueError")
     todo(checks.check_block_pool(PoolTodo, quiet=True))
 
 

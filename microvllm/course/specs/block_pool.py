@@ -72,8 +72,10 @@ and the tail.""",
         """```python
 # free_blocks: check every block first, then change (a refused call changes nothing)
 blocks = [block for block in ordered_blocks if not block.is_null]
+drops = {}   # a block listed twice drops two references: count them
 for block in blocks:
-    if block.ref_cnt <= 0: raise ValueError(...)   # (a block listed twice needs 2 references)
+    drops[block.block_id] = drops.get(block.block_id, 0) + 1
+    if block.ref_cnt < drops[block.block_id]: raise ValueError(...)
 for block in blocks:
     block.ref_cnt -= 1
     if block.ref_cnt == 0: self.free_block_queue.append(block)

@@ -18,8 +18,9 @@ from microvllm.checks import check_scheduler, run_engine_with
 """,
     parts=(Part(Scheduler, methods=("schedule",), intro="""Everything else is the engine's
 `Scheduler`: use `self._cap_new_tokens`, `self._preempt`, `self._raise_stalled`,
-`self._raise_no_progress` and `self._make_output` (read them with `Scheduler._preempt??` and
-friends)."""),),
+`self._raise_no_progress` and `self._make_output` (read them with
+`microvllm.core.scheduler.Scheduler._preempt??` and friends: the engine's class, imported
+in the setup cell above)."""),),
     todos={
         "Scheduler.schedule": "schedule running requests (preempting the newest when allocate_slots "
                               "returns None), then waiting ones FCFS within the budget; "
