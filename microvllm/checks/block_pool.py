@@ -230,7 +230,19 @@ def check_block_pool(pool_class, *, max_examples: int = 60, quiet: bool = False)
 
         run_property(test)
 
+    def free_queue_first():
+        from microvllm.checks.free_queue import check_free_block_queue
+
+        queue_class = type(pool_class(3).free_block_queue)
+        result = check_free_block_queue(queue_class, max_examples=10, quiet=True)
+        if not result.passed and not result.not_implemented:
+            raise CheckFailure(f"the pool's {queue_class.__name__} fails check_free_block_queue "
+                               f"({result.failures[0].name}), so the pool checks below may fail for it",
+                               hint="fix the free queue first (its checker says what is wrong): every "
+                                    "pool operation goes through it")
+
     cases = [
+        Case("the pool's free queue passes its own checks", free_queue_first),
         Case("block 0 is the reserved null block", null_block_reserved),
         Case("get_new_blocks() pops the head of the free queue with ref_cnt 1", new_blocks_lru_and_ref_counts),
         Case("free_blocks() drops a reference and appends blocks at 0 to the tail", free_blocks_join_the_tail),

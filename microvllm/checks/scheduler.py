@@ -130,9 +130,10 @@ def check_scheduler(scheduler_class, *, max_examples: int = 60, quiet: bool = Fa
     def prefix_hits_at_admission():
         s, runner = scheduler()
         system = list(range(100, 116))
-        s.add_request(make_request("a", system + [1, 2], B, max_tokens=2))
+        a, b = make_request("a", system + [1, 2], B, max_tokens=2), make_request("b", system + [3], B, max_tokens=2)
+        s.add_request(a)
         run_steps(s, runner)
-        s.add_request(make_request("b", system + [3], B, max_tokens=2))
+        s.add_request(b)
         records = run_steps(s, runner)
         first = records[0].output
         expect_equal((dict(first.num_prefix_hit_tokens), dict(first.num_scheduled_tokens)),
@@ -140,6 +141,11 @@ def check_scheduler(scheduler_class, *, max_examples: int = 60, quiet: bool = Fa
                      input="a = 16 shared tokens + 2, finished; b = the same 16 + 1",
                      hint="hit_blocks, num_hit = kv_cache_manager.get_computed_blocks(request); compute "
                           "only num_tokens - num_hit; pass both to allocate_slots; record prefix_hits")
+        # RequestOutput.num_cached_tokens (and the cache-hit figures of lecture 04) read this
+        expect_equal((a.num_cached_tokens, b.num_cached_tokens), (0, 16),
+                     "a request records its prefix-cache hit in num_cached_tokens on first admission",
+                     input="a = 16 shared tokens + 2 (no hit), finished; b = the same 16 + 1 (a 16-token hit)",
+                     hint="if request.num_cached_tokens < 0 (never admitted): set it to the hit's length")
 
     def no_progress_raises():
         s, runner = scheduler(num_blocks=4)

@@ -10,6 +10,7 @@ import re
 import torch
 
 import microvllm.attention.triton_kernels.decode as decode_module
+import microvllm.core.block_pool as block_pool_module
 import microvllm.core.scheduler as scheduler_module
 import microvllm.detokenizer as detokenizer_module
 import microvllm.sample.sampler as sampler_module
@@ -131,6 +132,11 @@ def test_block_pool_checker():
     caught(checks.check_block_pool(PoolFreesTwice, quiet=True),
            r"block 3 came back from free_blocks\(\) twice.*must not be pushed onto the free queue again")
     caught(checks.check_block_pool(PoolKeepsHashes, quiet=True), r"must lose its hash")
+    # a broken queue under a correct pool: the first check names the queue, not the pool
+    over_broken_queue = mutant(block_pool_module, FreeKVCacheBlockQueue=QueueForgetsCounter).BlockPool
+    result = checks.check_block_pool(over_broken_queue, quiet=True)
+    caught(result, r"the pool's QueueForgetsCounter fails check_free_block_queue")
+    assert result.cases[0].status == "fail", result.report()   # the first check, before the pool's own
     caught(checks.check_block_pool(PoolMissesRepeats, quiet=True),
            r"free_blocks\(\[4, 4\]\) with one reference on block 4 must raise ValueError")
     todo(checks.check_block_pool(PoolTodo, quiet=True))
@@ -205,6 +211,8 @@ def test_scheduler_checker():
     caught(checks.check_scheduler(preempts_oldest, quiet=True), r"the most recently admitted request is preempted")
     too_many_seats = mutant(scheduler_module, [(" and len(self.running) < self.max_num_seqs", "")]).Scheduler
     caught(checks.check_scheduler(too_many_seats, quiet=True), r"requests run but max_num_seqs is 2")
+    forgets_cached = mutant(scheduler_module, [("request.num_cached_tokens = num_hit_tokens", "pass")]).Scheduler
+    caught(checks.check_scheduler(forgets_cached, quiet=True), r"records its prefix-cache hit in num_cached_tokens")
 
     class SchedulerTodo(Scheduler):
         def schedule(self):
@@ -220,6 +228,7 @@ def test_sampler_checker():
                                            "mass_above = sorted_probs.cumsum(dim=-1)")])
     sampler = mutant(sampler_module, apply_top_p=drops_crossing.apply_top_p).Sampler
     caught(checks.check_sampler(sampler, quiet=True), r"top_p=0\.7.*the token that crosses 0\.7 stays")
+    caught(checks.check_sampler(sampler, quiet=True), r"only the top_p rows are wrong")   # not the broadcasting
     multiplies = mutant(sampler_module, [("logits = logits / torch.where(is_greedy, 1.0, temperature)",
                                           "logits = logits * torch.where(is_greedy, 1.0, temperature)")]).Sampler
     caught(checks.check_sampler(multiplies, quiet=True), r"temperature 0\.5 must give p\^\(1/T\)")
