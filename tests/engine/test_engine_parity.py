@@ -36,7 +36,7 @@ def run_and_compare(folder, prompts, **settings):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_tiny_models(tiny_models, arch, setting):
-    prompts = varied_prompts(512, seed=hash(arch) % 1000)
+    prompts = varied_prompts(512, seed={"llama": 11, "mistral": 12, "qwen3": 13}[arch])   # hash(str) varies per run
     llm = run_and_compare(tiny_models[arch], prompts, **SETTINGS[setting])
     trace = llm.trace
     if setting == "preemption":

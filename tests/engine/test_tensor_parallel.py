@@ -21,6 +21,7 @@ from tests.engine.conftest import hf_greedy, varied_prompts
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ARCH_SEEDS = {"llama": 11, "mistral": 12, "qwen3": 13}
 
 
 def alive(pid: int) -> bool:
@@ -46,7 +47,7 @@ def assert_all_exited(pids, within_s: float = 10.0) -> None:
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
 def test_tp2_matches_hf_under_chunking_preemption_and_prefix_caching(tiny_models, arch):
     folder = tiny_models[arch]
-    prompts = varied_prompts(512, count=12, seed=hash(arch) % 1000)
+    prompts = varied_prompts(512, count=12, seed=ARCH_SEEDS[arch])   # fixed: hash(str) varies per run
     llm = LLM(str(folder), tensor_parallel_size=2, max_model_len=128, num_kv_blocks=14,
               max_num_batched_tokens=32, trace=True, debug_invariants=True)
     pids = worker_pids(llm)
