@@ -97,15 +97,16 @@ def _exercises():
     them, which on a machine without CUDA loads only in Triton's CPU interpreter, and refuses
     to load once triton was imported without it (``make_tiny_model`` imports triton through
     transformers). Showing source runs no kernel: switch the interpreter on for that import,
-    as ``ensure_triton_can_run`` does when it comes first."""
+    as ``ensure_triton_can_run`` does when it comes first. Without Triton at all (a Mac) the
+    decode kernel's exercise is left out: the other lectures still show their code."""
     import os
 
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from microvllm.course.specs import EXERCISES
-    return EXERCISES
+    from microvllm.course.specs import exercise_specs
+    return exercise_specs(skip_unavailable=True)
 
 
 _LANGUAGES = {".cpp": "cpp", ".cc": "cpp", ".h": "cpp", ".hpp": "cpp", ".py": "python"}

@@ -95,3 +95,17 @@ def test_the_check_sees_a_solution_shown_in_full():
               "outputs": [{"output_type": "display_data", "data": {"text/markdown": markdown}}]}
     assert not any(shown(d, visible_text(folded)) for _, d in BLOCKS)
     assert MARK_BEGIN in markdown   # ... while the full source is still there, folded
+
+
+def test_show_source_folds_without_triton():
+    """A Mac has no Triton: lectures other than 06 must still show (and fold) their code."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None\n"   # import triton now raises ImportError
+            "from microvllm.course.show import show_source\n"
+            "from microvllm.core.block_pool import BlockPool\n"
+            "md = show_source(BlockPool.free_blocks).data\n"
+            "assert 'exercise 03 writes this' in md and '<details>' in md, md\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

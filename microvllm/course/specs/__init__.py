@@ -1,9 +1,32 @@
 """The exercise notebooks' text: contract, hints, checks, engine cell; their code comes
 from the package (see ``microvllm/course/build.py``). One module per exercise, in the
-order of the lectures they follow."""
+order of the lectures they follow.
 
-from microvllm.course.specs import (block_pool, decode_kernel, detokenizer, model_runner, prefix_cache,
-                                    sampler, scheduler)
+``EXERCISES`` imports them all, when first asked for (``from microvllm.course.specs
+import EXERCISES``). Each module imports the code it cuts, so ``decode_kernel`` needs
+Triton; ``exercise_specs(skip_unavailable=True)`` leaves out those that cannot be
+imported here (a Mac without Triton can still show every other lecture's code).
+"""
 
-EXERCISES = [detokenizer.EXERCISE, block_pool.EXERCISE, prefix_cache.EXERCISE, scheduler.EXERCISE,
-             decode_kernel.EXERCISE, sampler.EXERCISE, model_runner.EXERCISE]
+from __future__ import annotations
+
+import importlib
+
+NAMES = ("detokenizer", "block_pool", "prefix_cache", "scheduler", "decode_kernel", "sampler", "model_runner")
+
+
+def exercise_specs(*, skip_unavailable: bool = False) -> list:
+    exercises = []
+    for name in NAMES:
+        try:
+            exercises.append(importlib.import_module(f"{__name__}.{name}").EXERCISE)
+        except (ImportError, RuntimeError):   # RuntimeError: ensure_triton_can_run says why not
+            if not skip_unavailable:
+                raise
+    return exercises
+
+
+def __getattr__(name: str):
+    if name == "EXERCISES":
+        return exercise_specs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
