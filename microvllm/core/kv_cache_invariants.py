@@ -58,23 +58,11 @@ def check_block_pool_invariants(block_pool: BlockPool) -> None:
     any two pool calls, even half-way through a KV cache manager operation): the free
     queue is well linked, ref counts are >= 0, ref_cnt == 0 exactly for queued blocks,
     and the hash table matches the blocks' hashes. O(blocks)."""
-    free_ids = check_free_queue_links(block_pool)
-    null_id = block_pool.null_block.block_id
-    if null_id in free_ids:
-        raise InvariantError(f"the null block {null_id} is in the free queue: it must never be handed out")
+    free_ids = _free_ids(block_pool)
     for block in block_pool.blocks:
-        if block.is_null:
-            continue
-        bid, in_queue = block.block_id, block.block_id in free_ids
-        if block.ref_cnt < 0:
-            raise InvariantError(f"block {bid} has negative ref_cnt {block.ref_cnt}: it was freed too often")
-        if block.ref_cnt == 0 and not in_queue:
-            raise InvariantError(f"block {bid} has ref_cnt 0 but is not in the free queue: it leaked")
-        if block.ref_cnt > 0 and in_queue:
-            raise InvariantError(
-                f"block {bid} has ref_cnt {block.ref_cnt} but is also in the free queue: "
-                "a used block could be handed to another request"
-            )
+        if not block.is_null:
+            _check_ref_cnt_sign(block)
+            _check_queued_iff_free(block, block.block_id in free_ids)
     _check_hash_table(block_pool)
 
 
@@ -84,30 +72,20 @@ def check_kv_cache_invariants(block_pool: BlockPool, block_tables: Iterable[Iter
     for table in block_tables:
         for entry in table:
             holders[entry if isinstance(entry, int) else entry.block_id] += 1
-    free_ids = check_free_queue_links(block_pool)
-    null_id = block_pool.null_block.block_id
-    if null_id in free_ids:
-        raise InvariantError(f"the null block {null_id} is in the free queue: it must never be handed out")
+    free_ids = _free_ids(block_pool)
 
     num_used = 0
     for block in block_pool.blocks:
         if block.is_null:
             continue
-        bid, in_queue, count = block.block_id, block.block_id in free_ids, holders[block.block_id]
-        if block.ref_cnt < 0:
-            raise InvariantError(f"block {bid} has negative ref_cnt {block.ref_cnt}: it was freed too often")
+        bid, count = block.block_id, holders[block.block_id]
+        _check_ref_cnt_sign(block)
         if block.ref_cnt != count:
             raise InvariantError(
                 f"block {bid} has ref_cnt {block.ref_cnt} but appears in {count} block table(s): "
                 "every table entry must hold exactly one reference"
             )
-        if block.ref_cnt == 0 and not in_queue:
-            raise InvariantError(f"block {bid} has ref_cnt 0 but is not in the free queue: it leaked")
-        if block.ref_cnt > 0 and in_queue:
-            raise InvariantError(
-                f"block {bid} has ref_cnt {block.ref_cnt} but is also in the free queue: "
-                "a used block could be handed to another request"
-            )
+        _check_queued_iff_free(block, bid in free_ids)
         num_used += block.ref_cnt > 0
 
     if len(free_ids) + num_used != block_pool.num_usable_blocks:
@@ -115,6 +93,31 @@ def check_kv_cache_invariants(block_pool: BlockPool, block_tables: Iterable[Iter
             f"{len(free_ids)} free + {num_used} used blocks != {block_pool.num_usable_blocks} usable blocks"
         )
     _check_hash_table(block_pool)
+
+
+def _free_ids(block_pool: BlockPool) -> set[int]:
+    """The ids in the free queue (its links checked); the null block must not be one."""
+    free_ids = check_free_queue_links(block_pool)
+    null_id = block_pool.null_block.block_id
+    if null_id in free_ids:
+        raise InvariantError(f"the null block {null_id} is in the free queue: it must never be handed out")
+    return free_ids
+
+
+def _check_ref_cnt_sign(block: KVCacheBlock) -> None:
+    if block.ref_cnt < 0:
+        raise InvariantError(f"block {block.block_id} has negative ref_cnt {block.ref_cnt}: it was freed too often")
+
+
+def _check_queued_iff_free(block: KVCacheBlock, in_queue: bool) -> None:
+    """A block is in the free queue exactly when nobody holds it (ref_cnt 0)."""
+    if block.ref_cnt == 0 and not in_queue:
+        raise InvariantError(f"block {block.block_id} has ref_cnt 0 but is not in the free queue: it leaked")
+    if block.ref_cnt > 0 and in_queue:
+        raise InvariantError(
+            f"block {block.block_id} has ref_cnt {block.ref_cnt} but is also in the free queue: "
+            "a used block could be handed to another request"
+        )
 
 
 def _check_hash_table(block_pool: BlockPool) -> None:
