@@ -3,6 +3,7 @@
 ``mutant(module, [(old, new), ...], name=value, ...)`` loads a copy of a package module
 with text replaced (each ``old`` must occur, so a package change that removes it fails
 loudly) and attributes overridden: the copy's functions and classes see the overrides.
+Below it, buggy classes more than one test file uses.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import itertools
 import sys
 import tempfile
 from pathlib import Path
+
+from microvllm.core.block_pool import BlockPool
 
 _counter = itertools.count()
 
@@ -32,3 +35,13 @@ def mutant(module, replacements=(), **overrides):
     for key, value in overrides.items():
         setattr(copy, key, value)
     return copy
+
+
+class PoolFreesTwice(BlockPool):
+    """A block pool that frees a block whose ref count is already 0 (a double free)."""
+
+    def free_blocks(self, ordered_blocks):
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt <= 0:
+                self.free_block_queue.append(block)

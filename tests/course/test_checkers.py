@@ -24,7 +24,7 @@ from microvllm.detokenizer import IncrementalDetokenizer, find_stop_string
 from microvllm.sample.sampler import Sampler
 from microvllm.worker.block_table import BlockTable
 from microvllm.worker.model_runner import ModelRunner
-from tests.course.mutants import mutant
+from tests.course.mutants import PoolFreesTwice, mutant
 
 
 def caught(result, pattern: str) -> None:
@@ -88,14 +88,6 @@ class PoolTouchKeepsQueued(BlockPool):
         for block in blocks:
             if not block.is_null:
                 block.ref_cnt += 1  # forgets to take free blocks out of the queue
-
-
-class PoolFreesTwice(BlockPool):
-    def free_blocks(self, ordered_blocks):
-        for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt <= 0:
-                self.free_block_queue.append(block)
 
 
 class PoolMissesRepeats(BlockPool):

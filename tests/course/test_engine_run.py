@@ -20,7 +20,7 @@ from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_manager import KVCacheManager
 from microvllm.core.scheduler import Scheduler
 from microvllm.sample.sampler import Sampler
-from tests.course.mutants import mutant
+from tests.course.mutants import PoolFreesTwice, mutant
 
 
 def passes(components):
@@ -126,14 +126,6 @@ def test_a_pool_error_names_the_pool_call():
     assert "after your BlockPool.free_blocks([5, 4]): block 4 has ref_cnt 1 but is also in the free queue" \
         in result.message
     assert "Scheduler" not in result.message and "finish_requests" not in result.message
-
-
-class PoolFreesTwice(BlockPool):
-    def free_blocks(self, ordered_blocks):
-        for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt <= 0:
-                self.free_block_queue.append(block)
 
 
 def test_a_double_free_is_named():
