@@ -17,6 +17,7 @@ and prompts a correct component makes exactly the reference's decisions.
 
 from __future__ import annotations
 
+from microvllm.checks.report import CheckFailure
 from microvllm.trace import StepTrace, Trace
 
 HINT_SEATS = "admit a waiting request only while len(self.running) < self.max_num_seqs"
@@ -66,16 +67,25 @@ def _plan(step: StepTrace) -> dict[str, tuple[int, int]]:
             for r in step.scheduled}
 
 
+def _broken_limit(index: int, who: str, num_requests: int, num_tokens: int, max_num_seqs: int,
+                  max_num_batched_tokens: int):
+    """(message, hint) for the first limit a step's plan breaks, else None."""
+    if num_requests > max_num_seqs:
+        return f"step {index}: {who} ran {num_requests} requests, max_num_seqs={max_num_seqs}", HINT_SEATS
+    if num_tokens > max_num_batched_tokens:
+        return (f"step {index}: {who} scheduled {num_tokens} tokens, "
+                f"max_num_batched_tokens={max_num_batched_tokens}", HINT_BUDGET)
+    return None
+
+
 def check_limits(step: StepTrace, index: int, who: str, max_num_seqs: int, max_num_batched_tokens: int):
     """(lines, hint) if the step broke max_num_seqs or the token budget, else None."""
-    if len(step.scheduled) > max_num_seqs:
-        return ([f"step {index}: {who} ran {len(step.scheduled)} requests, max_num_seqs={max_num_seqs}",
-                 f"  yours: {describe_plan(step)}"], HINT_SEATS)
-    if step.num_scheduled_tokens > max_num_batched_tokens:
-        return ([f"step {index}: {who} scheduled {step.num_scheduled_tokens} tokens, "
-                 f"max_num_batched_tokens={max_num_batched_tokens}", f"  yours: {describe_plan(step)}"],
-                HINT_BUDGET)
-    return None
+    broken = _broken_limit(index, who, len(step.scheduled), step.num_scheduled_tokens, max_num_seqs,
+                           max_num_batched_tokens)
+    if broken is None:
+        return None
+    message, hint = broken
+    return [message, f"  yours: {describe_plan(step)}"], hint
 
 
 def _compare_step(ref: StepTrace, yours: StepTrace, index: int, who: str, blocks: bool, hits_hint: str):
@@ -146,23 +156,18 @@ def watch_scheduler(scheduler_class: type) -> type:
     """A subclass of ``scheduler_class`` whose ``schedule()`` checks its plan's limits before
     the model runs it, so a plan that breaks them is reported as such (the runner would
     otherwise fail on it with an error about tensor shapes)."""
-    from microvllm.checks.report import CheckFailure
-
     class Watched(scheduler_class):
         def schedule(self):
             plan = super().schedule()
             index = getattr(self, "_watched_steps", 0)
             self._watched_steps = index + 1
             tokens = dict(plan.num_scheduled_tokens)
-            yours = "; ".join(f"request {rid}: {n} token{'s' if n != 1 else ''}"
-                              for rid, n in sorted(tokens.items(), key=lambda item: _key(item[0])))
-            if len(tokens) > self.max_num_seqs:
-                raise CheckFailure(f"step {index}: your scheduler ran {len(tokens)} requests, "
-                                   f"max_num_seqs={self.max_num_seqs}", got=yours, hint=HINT_SEATS)
-            if sum(tokens.values()) > self.max_num_batched_tokens:
-                raise CheckFailure(f"step {index}: your scheduler scheduled {sum(tokens.values())} tokens, "
-                                   f"max_num_batched_tokens={self.max_num_batched_tokens}", got=yours,
-                                   hint=HINT_BUDGET)
+            broken = _broken_limit(index, "your scheduler", len(tokens), sum(tokens.values()),
+                                   self.max_num_seqs, self.max_num_batched_tokens)
+            if broken is not None:
+                yours = "; ".join(f"request {rid}: {n} token{'s' if n != 1 else ''}"
+                                  for rid, n in sorted(tokens.items(), key=lambda item: _key(item[0])))
+                raise CheckFailure(broken[0], got=yours, hint=broken[1])
             return plan
 
     Watched.__name__ = Watched.__qualname__ = scheduler_class.__name__

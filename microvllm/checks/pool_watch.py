@@ -12,6 +12,9 @@ line, an abort); with it, the message names the pool method that broke the rule.
 
 from __future__ import annotations
 
+import re
+
+from microvllm.checks.free_queue import ids
 from microvllm.checks.report import CheckFailure
 from microvllm.core.kv_cache_invariants import InvariantError, check_block_pool_invariants
 
@@ -36,13 +39,7 @@ class BlockPoolError(CheckFailure):
 
 
 def pool_hint(message: str) -> str | None:
-    import re
-
     return next((hint for pattern, hint in POOL_HINTS if re.search(pattern, message)), None)
-
-
-def _ids(blocks) -> list[int]:
-    return [block.block_id for block in blocks]
 
 
 def watch_block_pool(pool_class: type) -> type:
@@ -91,12 +88,12 @@ def watch_block_pool(pool_class: type) -> type:
 
         def free_blocks(self, ordered_blocks):
             blocks = list(ordered_blocks)
-            return watched(self, f"free_blocks({_ids(blocks)})",
+            return watched(self, f"free_blocks({ids(blocks)})",
                            lambda: super(Watched, self).free_blocks(blocks), blocks)
 
         def touch(self, blocks):
             blocks = list(blocks)
-            return watched(self, f"touch({_ids(blocks)})", lambda: super(Watched, self).touch(blocks))
+            return watched(self, f"touch({ids(blocks)})", lambda: super(Watched, self).touch(blocks))
 
     Watched.__name__ = Watched.__qualname__ = name
     Watched.__module__ = pool_class.__module__
