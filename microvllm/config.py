@@ -54,6 +54,9 @@ class EngineConfig:
     """On CUDA: the fraction of the GPU's free memory this engine may use (weights,
     activations and KV cache); the KV cache gets what the rest leaves. Unused on a CPU."""
     seed: int = 0
+    max_logprobs: int = 20
+    """The most ``logprobs`` / ``prompt_logprobs`` one request may ask for (vLLM's default,
+    20); -1 allows up to the vocabulary size."""
     tensor_parallel_size: int = 1
     """Split the model over this many worker processes (ranks) with torch.distributed;
     1 runs it in this process (``executor/``). The heads, the MLP and the vocabulary are
@@ -111,6 +114,8 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"seed={self.seed!r} must be an int")
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int >= 0, or -1 for no limit")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.max_model_len is not None and self.max_num_batched_tokens is not None:
             self._check_chunking()  # else finalize() checks it, once the model is known

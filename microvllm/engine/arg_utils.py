@@ -39,7 +39,7 @@ VLLM_ONLY_ENGINE_OPTIONS = (
     "kv_cache_dtype", "swap_space", "cpu_offload_gb", "load_format", "download_dir", "revision",
     "tokenizer_revision", "code_revision", "tokenizer_mode", "hf_overrides", "hf_token",
     "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "enable_sleep_mode",
-    "compilation_config", "max_seq_len_to_capture", "num_gpu_blocks_override", "max_logprobs",
+    "compilation_config", "max_seq_len_to_capture", "num_gpu_blocks_override",
     "limit_mm_per_prompt", "mm_processor_kwargs", "task", "runner", "served_model_name",
     "override_generation_config", "structured_outputs_config", "guided_decoding_backend",
     "kv_transfer_config", "worker_cls", "logits_processors", "scheduling_policy",
@@ -72,6 +72,8 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_cli(
         "cpu, cuda, or auto (cuda where torch.cuda.is_available())"))
     seed: int = field(default=0, metadata=_cli("seed of the shared sampling generator"))
+    max_logprobs: int = field(default=20, metadata=_cli(
+        "the most logprobs (or prompt_logprobs) a request may ask for; -1: up to the vocabulary"))
     max_model_len: int | None = field(default=None, metadata=_cli(
         "longest prompt + output in tokens (default: the model's max_position_embeddings)"))
     block_size: int = field(default=16, metadata=_cli("tokens per KV cache block (a power of two)"))

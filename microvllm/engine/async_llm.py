@@ -45,6 +45,11 @@ class EngineDeadError(RuntimeError):
     """The engine-core loop failed or was shut down: no request can run any more."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed inside an engine step; the engine goes on serving the others
+    (``engine/fault_isolation.py``)."""
+
+
 class AsyncLLM:
     """An engine driven by a background thread; ``generate`` is an async generator.
 
@@ -110,6 +115,8 @@ class AsyncLLM:
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"the engine failed: {out!r}") from out
                 finished = out.finished
+                if out.error is not None:
+                    raise RequestFailedError(out.error)
                 yield out
                 if finished:
                     return

@@ -10,7 +10,9 @@
     step():
         plan    = scheduler.schedule()                 who computes how many tokens
         sampled = executor.execute_model(plan)         one forward pass, then sampling
-                  (raises or Ctrl-C: scheduler.undo_failed_step(plan), then re-raise)
+                  (raises: scheduler.undo_failed_step(plan); Ctrl-C or a dead worker
+                  re-raise, any other error fails the request at fault and the engine
+                  goes on: engine/fault_isolation.py)
         core    = scheduler.update_from_output(plan, sampled)   append, stop checks, free
         outputs = output_processor.process(core)       detokenize, stop strings, n > 1
         trace.record(...)                              only when tracing is on
@@ -37,10 +39,13 @@ from microvllm.core.config import SchedulerConfig
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.scheduler import Scheduler
 from microvllm.detokenizer import IncrementalDetokenizer
+from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.engine.output_processor import OutputProcessor
+from microvllm.engine.param_checks import check_params_for_model
 from microvllm.engine.prompts import PromptProcessor
 from microvllm.engine.step_tracer import StepTracer
 from microvllm.executor import get_executor_class
+from microvllm.executor.multiproc_executor import WorkerError
 from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
 from microvllm.platforms import get_platform
@@ -49,6 +54,10 @@ from microvllm.sampling_params import SamplingParams
 from microvllm.worker.gpu_memory import num_gpu_blocks
 
 logger = logging.getLogger(__name__)
+
+# Errors after which the engine's state is unknown (a worker process died): they stop
+# the engine instead of failing one request (``engine/fault_isolation.py``).
+FATAL_ERRORS: tuple[type[BaseException], ...] = (WorkerError,)
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,7 @@ class Engine:
         self.output_processor = OutputProcessor(
             self.prompts.tokenizer, component(config, "detokenizer", IncrementalDetokenizer))
         self.tracer = StepTracer(self.scheduler) if config.trace else None
+        self.fault_isolation = FaultIsolation()
         self.num_steps = 0
         self.profiler: TorchProfiler | None = None
 
@@ -142,6 +152,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.verify()  # again: a field may have been set after construction
+        check_params_for_model(params, self.prompts.vocab_size, self.config.max_logprobs)
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id={request_id!r} must be a non-empty string")
         # The n > 1 samples get ids "0_7", "1_7", ...: those must be free too.
@@ -208,17 +219,21 @@ class Engine:
     # ---------------------------------------------------------------- step
     def step(self):
         """Run one engine step; return a ``RequestOutput`` for every request that changed."""
+        self.fault_isolation.limit_admissions(self.scheduler)
         plan = self.scheduler.schedule()
         traced = self.tracer.begin(plan) if self.tracer is not None else None
         try:
             runner_output = self.executor.execute_model(plan)
-        except BaseException:
+        except BaseException as error:
             # Ctrl-C (KeyboardInterrupt) or an error inside the model: this step's KV
             # may be half written. The scheduler puts the step's requests back to be
             # recomputed, so the engine stays consistent and usable.
             self.scheduler.undo_failed_step(plan)
-            raise
+            if not isinstance(error, Exception) or isinstance(error, FATAL_ERRORS):
+                raise
+            return self._isolate_fault(plan, error)
         core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids)
+        self.fault_isolation.passed(core.request_id for core in core_outputs)
         outputs, stopped = self.output_processor.process(core_outputs, runner_output.logprobs,
                                                          runner_output.prompt_logprobs)
         if stopped:  # stop strings, found by the detokenizer
@@ -229,6 +244,25 @@ class Engine:
             self.check_invariants()
         self.num_steps += 1
         return outputs
+
+    def _isolate_fault(self, plan, error: Exception) -> list:
+        """A step raised (its work is undone): fail the request it can be pinned on, or
+        retry the step's requests one suspect at a time (``engine/fault_isolation.py``)."""
+        culprit = self.fault_isolation.blame(plan)
+        if culprit is None:
+            logger.warning("an engine step of %d requests failed (%r): retrying them one at a time "
+                           "to find the one at fault", len(plan.num_scheduled_tokens), error)
+            return []
+        request_id = self.output_processor.parent_id(culprit)
+        logger.error("request %r failed inside an engine step; the engine goes on", request_id,
+                     exc_info=error)
+        self.scheduler.finish_requests(self.output_processor.child_ids(request_id),
+                                       RequestStatus.FINISHED_ABORTED)
+        failed = self.output_processor.fail(
+            request_id, f"the request failed inside an engine step: {type(error).__name__}: {error}")
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return [failed] if failed is not None else []
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes (with ``tensor_parallel_size > 1``); they

@@ -168,6 +168,25 @@ class OutputProcessor:
             dicts.append({t: Logprob(v, r, decode(t)) for t, v, r in zip(ids, values, ranks)})
         return dicts
 
+    def parent_id(self, child_id: str) -> str:
+        """The request a sample (``"1_7"``) belongs to; a request of n=1 is its own."""
+        child = self.children.get(child_id)
+        return child.parent.request_id if child is not None else child_id
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """End a request that failed inside a step: its unfinished samples get
+        ``finish_reason="error"``, and the output carries ``message`` in ``error``."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if child.completion.finish_reason is None:
+                child.completion.finish_reason = "error"
+        self._drop(parent)
+        output = parent.to_output()
+        output.error = message
+        return output
+
     def abort(self, request_id: str) -> RequestOutput | None:
         parent = self.parents.get(request_id)
         if parent is None:

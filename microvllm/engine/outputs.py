@@ -38,7 +38,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or token that ended it
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
@@ -58,6 +58,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None
+    error: str | None = None             # why it failed, when finish_reason is "error"
 
     def __repr__(self) -> str:
         texts = [o.text[:40] for o in self.outputs]
