@@ -19,6 +19,7 @@ of every generated token, ``prompt_logprobs`` for those of every prompt token.
 from __future__ import annotations
 
 import difflib
+import enum
 import math
 import numbers
 
@@ -26,9 +27,16 @@ import numbers
 SAMPLING_EPS = 1e-5
 
 # vLLM options that microvllm does not implement, to say so instead of "unknown".
-VLLM_ONLY_OPTIONS = ("best_of", "logit_bias", "allowed_token_ids", "bad_words",
-                     "logits_processors", "guided_decoding", "structured_outputs", "output_kind", "detokenize",
-                     "spaces_between_special_tokens", "truncate_prompt_tokens")
+VLLM_ONLY_OPTIONS = ("best_of", "logits_processors", "guided_decoding", "structured_outputs", "detokenize",
+                     "spaces_between_special_tokens")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a streamed request yields each step (vLLM's ``vllm.sampling_params.RequestOutputKind``)."""
+
+    CUMULATIVE = 0   # every output holds all the tokens and text so far
+    DELTA = 1        # each output holds only what is new since the last one
+    FINAL_ONLY = 2   # one output, when the request finishes
 
 
 class SamplingParams:
@@ -56,12 +64,23 @@ class SamplingParams:
         there (the first prompt token has none: nothing predicts it).
     skip_special_tokens: leave special tokens (``<|im_end|>``) out of the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
+    logit_bias: ``{token_id: bias}`` added to those logits before sampling (OpenAI's).
+    allowed_token_ids: only these ids may be sampled.
+    bad_words: words that must not be generated: the last token of each word's
+        tokenization is banned wherever the output already ends with the others.
+    truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last
+        max_model_len - 1).
+    output_kind: what ``AsyncLLM.generate`` yields each step: CUMULATIVE (all the text
+        so far) or DELTA (only the new tokens and text); FINAL_ONLY (the end only).
     """
 
-    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
-                 "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-                 "skip_special_tokens", "include_stop_str_in_output",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs")
+    FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+              "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+              "skip_special_tokens", "include_stop_str_in_output",
+              "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
+              "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "output_kind")
+    # bad_words_token_ids: the engine tokenizes bad_words at the door (it has the tokenizer).
+    __slots__ = (*FIELDS, "bad_words_token_ids")
 
     def __init__(self, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
@@ -71,7 +90,9 @@ class SamplingParams:
                  skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, prompt_logprobs: int | None = None,
-                 **unknown_kwargs):
+                 logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
+                 bad_words: list[str] | None = None, truncate_prompt_tokens: int | None = None,
+                 output_kind: "RequestOutputKind | int" = 0, **unknown_kwargs):
         if unknown_kwargs:
             raise TypeError(_unknown_kwargs_message(unknown_kwargs))
         self.n = n
@@ -92,6 +113,13 @@ class SamplingParams:
         self.frequency_penalty = frequency_penalty
         self.repetition_penalty = repetition_penalty
         self.prompt_logprobs = prompt_logprobs
+        self.logit_bias = _as_bias(logit_bias)
+        self.allowed_token_ids = None if allowed_token_ids is None else _as_list(
+            "allowed_token_ids", allowed_token_ids, int)
+        self.bad_words = _as_list("bad_words", bad_words, str)
+        self.truncate_prompt_tokens = truncate_prompt_tokens
+        self.output_kind = RequestOutputKind(output_kind) if output_kind in set(RequestOutputKind) else output_kind
+        self.bad_words_token_ids: list[list[int]] = []
         self._verify()
         if self.top_k == -1:
             self.top_k = 0  # vLLM's older spelling of "off"; 0 is the one it uses now
@@ -159,6 +187,27 @@ class SamplingParams:
             _check_number(name, value)
             if not -2.0 <= value <= 2.0:  # also False for NaN
                 raise ValueError(f"{name} must be in [-2, 2], got {value}: use 0 to turn it off")
+        for token_id in self.allowed_token_ids if self.allowed_token_ids is not None else ():
+            _check_int("allowed_token_ids item", token_id)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids is empty, so no token could be sampled: give at least "
+                             "one id (None allows every token)")
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias key", token_id)
+            _check_number(f"logit_bias[{token_id}]", bias)
+            if not -100 <= bias <= 100:  # also False for NaN
+                raise ValueError(f"logit_bias[{token_id}]={bias} must be in [-100, 100] (OpenAI's range)")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must be non-empty strings, got {word!r}")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be >= 1 (keep the last k prompt tokens) "
+                                 f"or -1 (the last max_model_len - 1), got {self.truncate_prompt_tokens}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                             f"got {self.output_kind!r}")
         _check_number("repetition_penalty", self.repetition_penalty)
         if not 0.0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got "
@@ -173,11 +222,13 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         """A validated copy, with ``changes`` applied (the engine gives each sample of an
         ``n > 1`` request ``clone(n=1, seed=seed + index)``)."""
-        values = {name: getattr(self, name) for name in self.__slots__}
+        values = {name: getattr(self, name) for name in self.FIELDS}
         values = {**values, **changes}
-        for name in ("stop", "stop_token_ids"):  # copies, not shared lists
+        for name in ("stop", "stop_token_ids", "bad_words"):  # copies, not shared lists
             values[name] = list(values[name])
-        return SamplingParams(values.pop("n"), **values)
+        clone = SamplingParams(values.pop("n"), **values)
+        clone.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
+        return clone
 
     def verify(self) -> None:
         """Check every value again: raises if one was set to something invalid after
@@ -185,13 +236,13 @@ class SamplingParams:
         self._verify()
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.FIELDS)
         return f"SamplingParams({fields})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SamplingParams):
             return NotImplemented
-        return all(getattr(self, name) == getattr(other, name) for name in self.__slots__)
+        return all(getattr(self, name) == getattr(other, name) for name in self.FIELDS)
 
 
 def _as_list(name: str, value: object, item_type: type) -> list:
@@ -204,6 +255,22 @@ def _as_list(name: str, value: object, item_type: type) -> list:
         return list(value)
     raise TypeError(f"{name} must be a {item_type.__name__} or a list of them, "
                     f"got {value!r} of type {type(value).__name__}")
+
+
+def _as_bias(value: object) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (JSON keys are strings: ``{"50256": -100}``) -> ``{id: bias}``."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"logit_bias must be a dict {{token_id: bias}}, got {type(value).__name__}")
+    bias = {}
+    for key, item in value.items():
+        if isinstance(key, str):
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias has a key {key!r} that is not a token id: keys are token ids")
+            key = int(key)
+        bias[key] = item
+    return bias
 
 
 def _check_int(name: str, value: object) -> None:
@@ -222,10 +289,10 @@ def _unknown_kwargs_message(unknown_kwargs: dict) -> str:
     if name in VLLM_ONLY_OPTIONS:
         hint = "a vLLM option that microvllm does not implement: remove it"
     else:
-        close = difflib.get_close_matches(name, SamplingParams.__slots__, n=1)
+        close = difflib.get_close_matches(name, SamplingParams.FIELDS, n=1)
         hint = f"did you mean {close[0]!r}?" if close else "check the spelling"
     return (f"SamplingParams got an unknown argument {name!r} ({hint}). "
-            f"Valid arguments: {', '.join(SamplingParams.__slots__)}")
+            f"Valid arguments: {', '.join(SamplingParams.FIELDS)}")
 
 
 # generation_config.json keys a model's authors set as its recommended sampling, and

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 
 from microvllm.engine.arg_utils import EngineArgs, check_engine_options
 from microvllm.engine.engine import Engine
+from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.engine.metrics import ServingMetrics
 from microvllm.engine.outputs import RequestOutput
 from microvllm.sampling_params import SamplingParams
@@ -63,6 +64,8 @@ class AsyncLLM:
         check_engine_options(kwargs)
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.engine = Engine(self.engine_args.create_engine_config())
+        # A server must outlive one bad request: a step's exception fails that request only.
+        self.engine.fault_isolation = FaultIsolation()
         self.metrics = ServingMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (event loop, asyncio.Queue); touched by both threads, under the lock.

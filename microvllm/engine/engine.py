@@ -10,9 +10,9 @@
     step():
         plan    = scheduler.schedule()                 who computes how many tokens
         sampled = executor.execute_model(plan)         one forward pass, then sampling
-                  (raises: scheduler.undo_failed_step(plan); Ctrl-C or a dead worker
-                  re-raise, any other error fails the request at fault and the engine
-                  goes on: engine/fault_isolation.py)
+                  (raises: scheduler.undo_failed_step(plan), then re-raise; when
+                  serving, any error but Ctrl-C or a dead worker fails only the
+                  request at fault: engine/fault_isolation.py)
         core    = scheduler.update_from_output(plan, sampled)   append, stop checks, free
         outputs = output_processor.process(core)       detokenize, stop strings, n > 1
         trace.record(...)                              only when tracing is on
@@ -108,7 +108,9 @@ class Engine:
         self.output_processor = OutputProcessor(
             self.prompts.tokenizer, component(config, "detokenizer", IncrementalDetokenizer))
         self.tracer = StepTracer(self.scheduler) if config.trace else None
-        self.fault_isolation = FaultIsolation()
+        # Serving (AsyncLLM) sets a FaultIsolation here: a step's exception then fails
+        # only the request at fault. Offline (None) it is raised, as vLLM's LLM does.
+        self.fault_isolation: FaultIsolation | None = None
         self.num_steps = 0
         self.profiler: TorchProfiler | None = None
 
@@ -161,6 +163,16 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} is already in use (unfinished: {taken}): "
                              "give each request a unique id (or wait until it finishes)")
         text, token_ids = self.prompts.process(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = self.config.max_model_len - 1 if params.truncate_prompt_tokens == -1 \
+                else params.truncate_prompt_tokens
+            if len(token_ids) > keep:   # the last `keep` tokens: the end of a long text matters most
+                token_ids = token_ids[-keep:]
+                text = self.prompts.tokenizer.decode(token_ids, skip_special_tokens=False) \
+                    if self.prompts.tokenizer is not None else None
+        if params.bad_words:
+            params = params.clone()   # the caller's object stays as it was
+            params.bad_words_token_ids = self.prompts.bad_words_token_ids(params.bad_words)
         self._check_fits(name or request_id, token_ids)
         return ProcessedRequest(request_id, text, token_ids, params)
 
@@ -219,7 +231,8 @@ class Engine:
     # ---------------------------------------------------------------- step
     def step(self):
         """Run one engine step; return a ``RequestOutput`` for every request that changed."""
-        self.fault_isolation.limit_admissions(self.scheduler)
+        if self.fault_isolation is not None:
+            self.fault_isolation.limit_admissions(self.scheduler)
         plan = self.scheduler.schedule()
         traced = self.tracer.begin(plan) if self.tracer is not None else None
         try:
@@ -229,11 +242,13 @@ class Engine:
             # may be half written. The scheduler puts the step's requests back to be
             # recomputed, so the engine stays consistent and usable.
             self.scheduler.undo_failed_step(plan)
-            if not isinstance(error, Exception) or isinstance(error, FATAL_ERRORS):
+            if (self.fault_isolation is None or not isinstance(error, Exception)
+                    or isinstance(error, FATAL_ERRORS)):
                 raise
             return self._isolate_fault(plan, error)
         core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids)
-        self.fault_isolation.passed(core.request_id for core in core_outputs)
+        if self.fault_isolation is not None:
+            self.fault_isolation.passed(core.request_id for core in core_outputs)
         outputs, stopped = self.output_processor.process(core_outputs, runner_output.logprobs,
                                                          runner_output.prompt_logprobs)
         if stopped:  # stop strings, found by the detokenizer
@@ -248,6 +263,7 @@ class Engine:
     def _isolate_fault(self, plan, error: Exception) -> list:
         """A step raised (its work is undone): fail the request it can be pinned on, or
         retry the step's requests one suspect at a time (``engine/fault_isolation.py``)."""
+        assert self.fault_isolation is not None
         culprit = self.fault_isolation.blame(plan)
         if culprit is None:
             logger.warning("an engine step of %d requests failed (%r): retrying them one at a time "

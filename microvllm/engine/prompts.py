@@ -41,6 +41,20 @@ class PromptProcessor:
         raise TypeError(f"prompt must be a str or a dict such as {{'prompt_token_ids': [1, 2, 3]}}, "
                         f"got {type(prompt).__name__}: {str(prompt)[:60]!r}")
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, as it would appear at the start of a text and after a
+        space (``"York"`` and ``" York"`` are different tokens), without special tokens."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer, and this model folder has none: "
+                             "remove bad_words (or ban ids with logit_bias={id: -100})")
+        sequences: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
     def _encode(self, text: str) -> list[int]:
         if not text:
             raise ValueError("prompt is an empty string: give at least one character "

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from microvllm.sample.logits_processors import bad_words_banned_ids
 from microvllm.sampling_params import SamplingParams
 
 
@@ -71,6 +72,10 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None  # [num_reqs] float32, 1.0 = off
     prompt_token_ids: list[list[int]] | None = None
     output_token_ids: list[list[int]] | None = None
+    # Sparse per-row rules (sample/logits_processors.py); empty when no row has one.
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    bad_words_banned_ids: dict[int, set[int]] = field(default_factory=dict)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams],
@@ -126,6 +131,12 @@ class SamplingMetadata:
                 prompt_token_ids=[ids[:n] for ids, n in zip(token_ids, num_prompt_tokens)],
                 output_token_ids=[ids[n:] for ids, n in zip(token_ids, num_prompt_tokens)])
 
+        bad_words = {}
+        if token_ids is not None and num_prompt_tokens is not None:
+            for row, (p, ids, n) in enumerate(zip(params, token_ids, num_prompt_tokens)):
+                if getattr(p, "bad_words_token_ids", None):
+                    bad_words[row] = bad_words_banned_ids(p.bad_words_token_ids, ids[n:])
+
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
@@ -139,6 +150,10 @@ class SamplingMetadata:
             max_num_logprobs=max(asked) if asked else None,
             min_tokens_banned_ids=banned,
             **penalties,
+            logit_bias={row: p.logit_bias for row, p in enumerate(params) if getattr(p, "logit_bias", None)},
+            allowed_token_ids={row: p.allowed_token_ids for row, p in enumerate(params)
+                               if getattr(p, "allowed_token_ids", None) is not None},
+            bad_words_banned_ids={row: ids for row, ids in bad_words.items() if ids},
         )
 
     @property

@@ -1,7 +1,8 @@
 """The Sampler: from one step's logits to one next token per request.
 
     logits [num_reqs, vocab] ──┬─> log_softmax ──────────────────────────> logprobs (raw)
-                               └─> min_tokens: ban eos/stop ids
+                               └─> min_tokens: ban eos/stop ids; logit_bias,
+                                   allowed_token_ids, bad words (logits_processors.py)
                                    -> repetition / frequency / presence penalties
                                       ├─> argmax ─────────────────────────> greedy rows
                                       └─> / temperature -> top_k -> top_p
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from microvllm.layers.custom_op import CustomOp
+from microvllm.sample.logits_processors import apply_allowed_token_ids, apply_logit_bias
 from microvllm.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.penalties import apply_min_tokens_penalty, apply_penalties
@@ -64,11 +66,14 @@ class Sampler(nn.Module):
         raw_logprobs = (compute_logprobs(logits)
                         if sampling_metadata.max_num_logprobs is not None else None)
 
-        if sampling_metadata.min_tokens_banned_ids:
+        m = sampling_metadata
+        if m.min_tokens_banned_ids or m.logit_bias or m.allowed_token_ids or m.bad_words_banned_ids:
             logits = logits.clone()  # the caller's logits stay untouched
-            apply_min_tokens_penalty(logits, sampling_metadata.min_tokens_banned_ids.items())
-        if sampling_metadata.repetition_penalties is not None:
-            m = sampling_metadata  # penalties change greedy rows too, as in vLLM
+            apply_min_tokens_penalty(logits, m.min_tokens_banned_ids.items())
+            apply_logit_bias(logits, m.logit_bias)
+            apply_allowed_token_ids(logits, m.allowed_token_ids)
+            apply_min_tokens_penalty(logits, m.bad_words_banned_ids.items())  # the same ban
+        if sampling_metadata.repetition_penalties is not None:  # greedy rows too, as in vLLM
             logits = apply_penalties(logits, m.prompt_token_ids, m.output_token_ids,
                                      m.presence_penalties, m.frequency_penalties, m.repetition_penalties)
 

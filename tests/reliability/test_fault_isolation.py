@@ -1,4 +1,5 @@
-"""Defence in depth: an exception inside an engine step fails only the request it can be
+"""Defence in depth when serving (``AsyncLLM`` turns it on; offline ``LLM`` raises, as
+vLLM's does): an exception inside an engine step fails only the request it can be
 pinned on (its blocks freed, its caller told why); every other request of the batch
 completes with exactly the tokens it gives alone, and the engine keeps serving.
 Only an error that leaves the engine's state unknown (a dead worker) stops it.
@@ -10,11 +11,19 @@ with that request's (otherwise unused) temperature is in the batch, whatever els
 import pytest
 
 from microvllm import LLM, SamplingParams
+from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.executor.multiproc_executor import WorkerError
-from tests.reliability.test_lifecycle import PROMPTS, TIGHT, alone, all_free, assert_clean_and_right, run
+from tests.reliability.test_lifecycle import (PROMPTS, TIGHT, Interrupt, alone, all_free, assert_clean_and_right,
+                                              run)
 
 MARK = 0.777   # the faulty request's temperature: nothing else uses it
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def serving_llm(folder, **settings) -> LLM:
+    llm = LLM(folder, **settings)
+    llm.engine.fault_isolation = FaultIsolation()   # as AsyncLLM does
+    return llm
 
 
 def inject_sampling_fault(monkeypatch, llm, error=RuntimeError("injected fault in sampling")):
@@ -36,7 +45,7 @@ def inject_sampling_fault(monkeypatch, llm, error=RuntimeError("injected fault i
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_fault_in_one_requests_sampling_fails_only_that_request(tiny_llama, monkeypatch, faulty_index, n):
     folder = str(tiny_llama)
-    llm = LLM(folder, debug_invariants=True, **TIGHT)   # chunked prefill, preemption, prefix hits
+    llm = serving_llm(folder, debug_invariants=True, **TIGHT)   # chunked prefill, preemption, prefix hits
     calls = inject_sampling_fault(monkeypatch, llm)
     params = [GREEDY] * len(PROMPTS)
     params[faulty_index] = SamplingParams(n=n, temperature=MARK, max_tokens=8, ignore_eos=True, seed=1)
@@ -56,7 +65,7 @@ def test_a_fault_in_one_requests_sampling_fails_only_that_request(tiny_llama, mo
 
 
 def test_engine_driven_by_hand_reports_the_failed_request_once(tiny_llama, monkeypatch):
-    llm = LLM(str(tiny_llama), debug_invariants=True, **TIGHT)
+    llm = serving_llm(str(tiny_llama), debug_invariants=True, **TIGHT)
     engine = llm.engine
     inject_sampling_fault(monkeypatch, llm)
     engine.add_request("good", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
@@ -71,7 +80,7 @@ def test_engine_driven_by_hand_reports_the_failed_request_once(tiny_llama, monke
 def test_a_fault_in_every_step_fails_each_request_and_the_engine_stays_usable(tiny_llama, monkeypatch):
     """Not any request's fault (every step raises): each request is blamed in turn, each
     is reported, every block comes back; afterwards the engine serves normally."""
-    llm = LLM(str(tiny_llama), debug_invariants=True, **TIGHT)
+    llm = serving_llm(str(tiny_llama), debug_invariants=True, **TIGHT)
     executor = llm.engine.executor
 
     def broken(plan):
@@ -87,7 +96,7 @@ def test_a_fault_in_every_step_fails_each_request_and_the_engine_stays_usable(ti
 
 def test_a_dead_worker_stops_the_engine_instead(tiny_llama, monkeypatch):
     """A dead tensor-parallel worker leaves the engine's state unknown: that is raised."""
-    llm = LLM(str(tiny_llama), **TIGHT)
+    llm = serving_llm(str(tiny_llama), **TIGHT)
 
     def dead(plan):
         raise WorkerError("worker 1 died")
@@ -95,3 +104,29 @@ def test_a_dead_worker_stops_the_engine_instead(tiny_llama, monkeypatch):
     monkeypatch.setattr(llm.engine.executor, "execute_model", dead)
     with pytest.raises(WorkerError):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+
+
+def test_offline_the_error_is_raised_and_the_llm_goes_on(tiny_llama, monkeypatch):
+    llm = LLM(str(tiny_llama), debug_invariants=True, **TIGHT)
+    inject_sampling_fault(monkeypatch, llm)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=MARK), use_tqdm=False)
+    monkeypatch.undo()
+    assert_clean_and_right(llm, str(tiny_llama))
+
+
+@pytest.mark.parametrize("at", [1, 2, 5])
+def test_an_error_inside_the_model_once_is_retried(tiny_llama, monkeypatch, at):
+    """An exception (not Ctrl-C) inside one step, once: the step is undone and its requests
+    retried one suspect at a time; each passes alone, so nothing fails and every output
+    is what the request gives alone."""
+    llm = serving_llm(str(tiny_llama), debug_invariants=True, **TIGHT)
+    executor = llm.engine.executor
+    monkeypatch.setattr(executor, "execute_model", Interrupt(executor.execute_model, at, RuntimeError))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert executor.execute_model.calls > at
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.error is None and out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].token_ids == alone(str(tiny_llama), tuple(prompt))
+    monkeypatch.undo()
+    assert_clean_and_right(llm, str(tiny_llama))

@@ -14,6 +14,7 @@ drawn — seeded requests from their own generator, so their tokens do not depen
 import torch
 from torch import nn
 
+from microvllm.sample.logits_processors import apply_allowed_token_ids, apply_logit_bias
 from microvllm.sample.logprobs import compute_logprobs, gather_logprobs
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.penalties import apply_min_tokens_penalty, apply_penalties
@@ -23,7 +24,8 @@ from microvllm.sampling_params import SAMPLING_EPS
 from microvllm.checks import check_sampler, run_engine_with
 """,
     parts=(Part(apply_top_k), Part(apply_top_p), Part(random_sample),
-           Part(Sampler, intro="""`forward` (given) takes the raw logprobs and applies `min_tokens`;
+           Part(Sampler, intro="""`forward` (given) takes the raw logprobs and applies `min_tokens`, `logit_bias`,
+`allowed_token_ids` and bad words;
 you write `sample`, which calls *your* three functions above.""")),
     todos={
         "apply_top_k": "keep each row's top_k[row] largest logits (0 = all; ties with the k-th kept), "
