@@ -14,8 +14,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="a model folder or a cached hub id (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients send as `model` (default: the model's path or id)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the name(s) clients send as `model`; the first is the one reported "
+                             "(default: the model's path or id)")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer <key>` on every /v1 route "
+                             "(default: $VLLM_API_KEY if set, else no key)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or the path of a file holding one: replaces the model's")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,

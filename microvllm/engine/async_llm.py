@@ -87,6 +87,11 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.dead_error is None
 
+    @property
+    def stopping(self) -> bool:
+        """True once ``shutdown()`` was called."""
+        return self._stopping.is_set()
+
     def get_tokenizer(self):
         return self.engine.get_tokenizer()
 
@@ -102,6 +107,8 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or failed)")
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if isinstance(prompt, str) or isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            prompt = await self.process_prompt(prompt, sampling_params)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
@@ -129,9 +136,22 @@ class AsyncLLM:
             if not finished:  # cancelled, closed early, or failed: free its blocks
                 self._commands.put(("abort", request_id, None))
 
+    async def process_prompt(self, prompt, sampling_params: SamplingParams | None = None) -> dict:
+        """Tokenize ``prompt`` on a worker thread, not the engine's (a long prompt would
+        stall every stream for as long as it takes): ``{"prompt", "prompt_token_ids"}``,
+        which ``generate`` then takes as it is. Raises ``ValueError`` for a bad prompt."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        text, token_ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt, params)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
     async def abort(self, request_id: str) -> None:
         """Abort a request by id (its generator then simply stops getting outputs)."""
         self._commands.put(("abort", request_id, None))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; each stream gets a last output with
+        ``finish_reason="abort"`` (a server shutting down ends its streams this way)."""
+        self._commands.put(("abort_all", None, None))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort everything in flight, stop the engine-core thread and wait for it."""
@@ -189,6 +209,14 @@ class AsyncLLM:
                     future.set_exception(error)
             elif kind == "abort":
                 self._abort(payload)
+            elif kind == "abort_all":
+                with self._lock:
+                    request_ids = list(self._streams)
+                for request_id in request_ids:
+                    final = self.engine.abort_with_output(request_id)
+                    if final is not None:
+                        self.metrics.on_abort(request_id)
+                        self._deliver(request_id, _snapshot(final), True)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

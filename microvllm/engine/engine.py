@@ -41,6 +41,7 @@ from microvllm.core.scheduler import Scheduler
 from microvllm.detokenizer import IncrementalDetokenizer
 from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.engine.output_processor import OutputProcessor
+from microvllm.engine.outputs import RequestOutput
 from microvllm.engine.param_checks import check_params_for_model
 from microvllm.engine.prompts import PromptProcessor
 from microvllm.engine.step_tracer import StepTracer
@@ -162,19 +163,36 @@ class Engine:
         if taken:
             raise ValueError(f"request_id={request_id!r} is already in use (unfinished: {taken}): "
                              "give each request a unique id (or wait until it finishes)")
-        text, token_ids = self.prompts.process(prompt)
-        if params.truncate_prompt_tokens is not None:
-            keep = self.config.max_model_len - 1 if params.truncate_prompt_tokens == -1 \
-                else params.truncate_prompt_tokens
-            if len(token_ids) > keep:   # the last `keep` tokens: the end of a long text matters most
-                token_ids = token_ids[-keep:]
-                text = self.prompts.tokenizer.decode(token_ids, skip_special_tokens=False) \
-                    if self.prompts.tokenizer is not None else None
+        text, token_ids = self.tokenize_prompt(prompt, params)
         if params.bad_words:
             params = params.clone()   # the caller's object stays as it was
             params.bad_words_token_ids = self.prompts.bad_words_token_ids(params.bad_words)
         self._check_fits(name or request_id, token_ids)
         return ProcessedRequest(request_id, text, token_ids, params)
+
+    def tokenize_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt, truncated as ``params.truncate_prompt_tokens`` asks.
+        Changes nothing, so a server may call it on another thread. A text far too long
+        for ``max_model_len`` is refused before it is tokenized (that alone could take
+        seconds): it needs at least len(text) / (the longest token's length) tokens."""
+        truncate = params.truncate_prompt_tokens
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            text = prompt.get("prompt")
+        if isinstance(text, str) and truncate is None and self.prompts.tokenizer is not None:
+            min_tokens = len(text) // self.prompts.max_token_chars
+            if min_tokens >= self.config.max_model_len:
+                raise ValueError(f"prompt has {len(text):,} characters, so at least {min_tokens:,} tokens, but "
+                                 f"max_model_len is {self.config.max_model_len}: shorten the prompt "
+                                 "(or set truncate_prompt_tokens)")
+        text, token_ids = self.prompts.process(prompt)
+        if truncate is not None:
+            keep = self.config.max_model_len - 1 if truncate == -1 else truncate
+            if len(token_ids) > keep:   # the last `keep` tokens: the end of a long text matters most
+                token_ids = token_ids[-keep:]
+                text = self.prompts.tokenizer.decode(token_ids, skip_special_tokens=False) \
+                    if self.prompts.tokenizer is not None else None
+        return text, token_ids
 
     def add_processed_request(self, request: ProcessedRequest) -> None:
         """Queue a request ``process_request`` accepted: nothing here can fail half-way."""
@@ -215,12 +233,16 @@ class Engine:
         returns whether any request was still running (it may have just finished)."""
         if not isinstance(request_id, str):
             return any([self.abort_request(one) for one in request_id])  # a list: abort all
+        return self.abort_with_output(request_id) is not None
+
+    def abort_with_output(self, request_id: str) -> RequestOutput | None:
+        """Abort one request as ``abort_request`` does; return its final output (its
+        unfinished samples with ``finish_reason="abort"``), or None if it was not running."""
         child_ids = self.output_processor.child_ids(request_id)
         if not child_ids:
-            return False
+            return None
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        self.output_processor.abort(request_id)
-        return True
+        return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -40,6 +41,14 @@ class PromptProcessor:
                              "(a list of ints) or 'prompt' (a string)")
         raise TypeError(f"prompt must be a str or a dict such as {{'prompt_token_ids': [1, 2, 3]}}, "
                         f"got {type(prompt).__name__}: {str(prompt)[:60]!r}")
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: a bound for "this text needs at
+        least len(text) / max_token_chars tokens" (a byte-level token's string has one
+        character per byte, so its decoded text is never longer)."""
+        tokens = self.tokenizer.convert_ids_to_tokens(list(range(self.tokenizer.vocab_size)))
+        return max(1, max(len(t) for t in tokens if t is not None))
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as token ids, as it would appear at the start of a text and after a

@@ -1,18 +1,26 @@
 """``microvllm serve``: an OpenAI-compatible HTTP server on FastAPI + uvicorn
 (vLLM: ``entrypoints/openai/api_server.py``).
 
-    microvllm serve [MODEL] --host 127.0.0.1 --port 8000 [engine flags]
+    microvllm serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY] [engine flags]
 
-    GET  /health                200 while the engine runs, 503 once it failed
-    GET  /v1/models             the one served model
+    GET  /health                200 while the engine runs; 503 (with why) once it failed,
+                                and then the process exits with status 1 for a supervisor
+    GET  /ping  /version        liveness (vLLM's) and microvllm's version
+    GET  /v1/models[/{id}]      the served model
     POST /v1/completions        prompt(s) -> text         (stream=true: server-sent events)
     POST /v1/chat/completions   messages  -> a reply      (stream=true: server-sent events)
+    POST /tokenize /detokenize  text or messages <-> token ids (vLLM's)
     GET  /metrics               Prometheus text: queue sizes, KV usage, TTFT, ITL, tokens
 
-Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: a
-bad field or malformed JSON is a 400 that names the field; an unknown model a 404.
-SIGTERM (or Ctrl-C): uvicorn stops accepting, gives open streams a few seconds to
-finish, then the engine aborts what is left and the process exits.
+Every error has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: a bad
+field, malformed JSON or a feature microvllm lacks is a 400 naming the field; a missing
+or wrong API key 401; an unknown model or route 404; a request that failed inside the
+engine 500 (the engine goes on: ``engine/fault_isolation.py``). No exception escapes to
+uvicorn, so a failed request never breaks the next one on the same connection.
+
+SIGTERM (or Ctrl-C): uvicorn stops accepting; open streams get ``--shutdown-timeout``
+seconds, then every request still running is aborted: a stream ends with a last chunk
+whose ``finish_reason`` is ``"abort"`` and ``data: [DONE]``, a plain request gets a 503.
 """
 
 from __future__ import annotations
@@ -20,33 +28,44 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import signal
+import socket
+import threading
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from microvllm.engine.arg_utils import EngineArgs
-from microvllm.engine.async_llm import AsyncLLM, EngineDeadError
-from microvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo,
-                                                   ErrorResponse, ModelCard, ModelList)
-from microvllm.entrypoints.openai.serving import OpenAIServing
+from microvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from microvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                   ErrorInfo, ErrorResponse, ModelCard, ModelList,
+                                                   TokenizeRequest)
+from microvllm.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown
 
 logger = logging.getLogger(__name__)
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+def error_response(status: int, message: str, kind: str | None = None, param: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind or ERROR_TYPES.get(status, "Error"),
+                                         param=param, code=status))
     return JSONResponse(body.model_dump(), status_code=status)
 
 
 def bad_request(error: Exception, fields) -> JSONResponse:
     """HTTP 400 with the engine's message; ``param`` is the field it starts with."""
     message = str(error)
-    first = re.match(r"[\w.]+", message)
+    first = re.match(r"[\w]+", message)
     param = first.group(0) if first and first.group(0) in fields else None
     return error_response(400, message, "BadRequestError", param)
 
@@ -77,17 +96,84 @@ async def until_disconnected(raw_request: Request, work):
     return work_task.result()
 
 
-def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
-    """The FastAPI app serving ``engine`` under ``model_name``."""
-    serving = OpenAIServing(engine, model_name)
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, plus: when a signal asks it to stop, abort whatever is still
+    running ``grace`` seconds later (streams end with ``finish_reason: "abort"``)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            logger.info("stopping: open requests get %.0f s to finish, then are aborted", self.grace)
+            timer = threading.Timer(self.grace, self.engine.abort_all)
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
+
+
+class CatchAll:
+    """Outermost ASGI layer under Starlette's own: an exception raised before the response
+    started becomes an OpenAI-shaped 500 here, and is not re-raised (Starlette's handler
+    re-raises, and uvicorn then drops the keep-alive connection)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watching_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except Exception:  # noqa: BLE001 - every client gets an answer
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await error_response(500, "internal server error: the server logged the details")(
+                    scope, receive, send)
+
+
+def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str] | None = None,
+              api_key: str | None = None, chat_template: str | None = None,
+              on_engine_dead=None) -> FastAPI:
+    """The FastAPI app serving ``engine`` under ``model_name`` (and any other
+    ``served_model_names``). ``on_engine_dead()`` is called once if the engine dies."""
+    serving = OpenAIServing(engine, model_name, chat_template=chat_template)
+    names = [model_name, *(served_model_names or [])]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        watcher = asyncio.create_task(watch_engine())
         yield
+        watcher.cancel()
         engine.shutdown()   # after uvicorn stopped serving: abort what is left, stop the thread
+
+    async def watch_engine():
+        while engine.is_running:
+            await asyncio.sleep(0.25)
+        if engine.dead_error is not None and not engine.stopping:
+            logger.error("the engine died (%r): the server stops so that a supervisor can restart it",
+                         engine.dead_error)
+            if on_engine_dead is not None:
+                on_engine_dead()
 
     app = FastAPI(title="microvllm", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(CatchAll)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return error_response(401, "missing or wrong API key: send `Authorization: Bearer <key>`")
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError):
@@ -104,8 +190,14 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
         return error_response(400, f"{where}: {first.get('msg', 'invalid')} (got {first.get('input')!r:.80})",
                               "BadRequestError", param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        message = {404: "no such route: see /docs for the routes this server has",
+                   405: "this route does not take that method"}.get(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, message)
+
     def unknown_model(name: str | None) -> JSONResponse | None:
-        if name is None or name == model_name:
+        if name is None or name in names:
             return None
         return error_response(404, f"The model `{name}` does not exist: this server serves `{model_name}`.",
                               "NotFoundError", "model")
@@ -116,13 +208,18 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
         if not engine.is_running:
             return error_response(503, "the engine is not running", "ServiceUnavailableError")
         try:
+            ignored = request.check_supported()
+            if ignored:
+                logger.warning("these fields of the request are not used by microvllm: %s", ", ".join(ignored))
             result = await until_disconnected(raw_request, create(request))
         except ClientGone:
             return PlainTextResponse("", status_code=499)   # nobody reads it: nginx's "client closed"
         except (ValueError, TypeError) as error:
             return bad_request(error, type(request).model_fields)
-        except EngineDeadError as error:
+        except (EngineDeadError, ServerShuttingDown) as error:
             return error_response(503, str(error), "ServiceUnavailableError")
+        except RequestFailedError as error:
+            return error_response(500, str(error), "InternalServerError")
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
@@ -130,13 +227,29 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health():
         if not engine.is_running:
-            return PlainTextResponse("engine not running", status_code=503)
+            reason = f": {engine.dead_error!r}" if engine.dead_error is not None else ""
+            return PlainTextResponse(f"engine not running{reason}", status_code=503)
         return PlainTextResponse("")
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        from microvllm import __version__
+        return {"version": __version__}
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=model_name, max_model_len=serving.max_model_len)
 
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=model_name, root=model_name, max_model_len=engine.engine.config.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[card(name) for name in names]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return unknown_model(model_id) or card(model_id).model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request):
@@ -146,6 +259,39 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await respond(request, raw_request, serving.create_chat_completion)
 
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        if (missing := unknown_model(request.model)) is not None:
+            return missing
+        try:
+            if (request.prompt is None) == (request.messages is None):
+                raise ValueError("give exactly one of prompt (a string) or messages (a chat)")
+            if request.messages is not None:
+                chat = ChatCompletionRequest(messages=request.messages,
+                                             add_generation_prompt=request.add_generation_prompt)
+                token_ids = (await asyncio.to_thread(serving.render_chat, chat))["prompt_token_ids"]
+            else:
+                tokenizer = engine.tokenizer
+                if tokenizer is None:
+                    raise ValueError("this model has no tokenizer")
+                token_ids = await asyncio.to_thread(tokenizer.encode, request.prompt, request.add_special_tokens)
+        except (ValueError, TypeError) as error:
+            return bad_request(error, TokenizeRequest.model_fields)
+        return {"count": len(token_ids), "max_model_len": serving.max_model_len, "tokens": token_ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        if (missing := unknown_model(request.model)) is not None:
+            return missing
+        vocab_size = engine.engine.prompts.vocab_size
+        outside = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if outside:
+            return error_response(400, f"tokens contains ids {outside[:5]} outside the vocabulary [0, {vocab_size})",
+                                  param="tokens")
+        if engine.tokenizer is None:
+            return error_response(400, "this model has no tokenizer")
+        return {"prompt": engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(engine.metrics.render(model_name),
@@ -154,27 +300,64 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     return app
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Build the engine (loading the model), then serve until SIGTERM or Ctrl-C."""
-    import uvicorn
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the model loads (seconds to minutes) if the port is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise SystemExit(f"cannot listen on {host}:{port} ({error.strerror}): another process "
+                             "uses the port; pick another with --port") from None
 
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's path, or the template itself (as vLLM takes it)."""
+    if value is None:
+        return None
+    if "{" not in value and Path(value).is_file():
+        return Path(value).read_text()
+    if "{" not in value:
+        raise SystemExit(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine (loading the model), then serve until SIGTERM or Ctrl-C. Returns
+    the exit status: 0 after a signal, 1 if the engine died."""
+    check_port_free(args.host, args.port)
+    chat_template = read_chat_template(getattr(args, "chat_template", None))
     engine_args = EngineArgs.from_cli_args(args)
     if args.model_tag is not None:
         engine_args.model = args.model_tag
     engine = AsyncLLM.from_engine_args(engine_args)
-    model_name = args.served_model_name or engine_args.model or EMBEDDED_MODEL_NAME
-    app = build_app(engine, model_name)
-    logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
+    served = args.served_model_name or [engine_args.model or EMBEDDED_MODEL_NAME]
+    api_key = getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY") or None
+    server: uvicorn.Server | None = None
+    exit_code = 0
+
+    def engine_dead():
+        nonlocal exit_code
+        exit_code = 1
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(engine, served[0], served_model_names=served[1:], api_key=api_key,
+                    chat_template=chat_template, on_engine_dead=engine_dead)
+    logger.info("serving %s on http://%s:%d", served[0], args.host, args.port)
+    # uvicorn waits for open connections up to its own timeout; ours aborts the requests
+    # a little earlier, so every stream can still send its last chunk and [DONE].
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = GracefulServer(config, engine, args.shutdown_timeout)
     # uvicorn catches SIGTERM / SIGINT, stops gracefully, then raises the signal again
-    # with the handlers that were there before it: these make that a normal exit (status 0).
+    # with the handlers that were there before it: these make that a normal exit.
     stopped = lambda signum, frame: logger.info("stopped by signal %d", signum)  # noqa: E731
     previous = {s: signal.signal(s, stopped) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         engine.shutdown()              # again, in case the server never started
-    return 0
+    return exit_code

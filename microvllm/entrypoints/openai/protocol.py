@@ -2,9 +2,17 @@
 
 Each request model turns itself into ``SamplingParams`` (``to_sampling_params``);
 the OpenAI fields come first, then vLLM's extra fields (``top_k``, ``min_p``,
-``min_tokens``, ``ignore_eos``, ``repetition_penalty``, ...), which the ``openai``
-client sends through ``extra_body``. ``SamplingParams`` does every range check, so
-its message (which starts with the field's name) becomes the HTTP 400's message.
+``min_tokens``, ``ignore_eos``, ``logit_bias``, ``allowed_token_ids``, ...), which the
+``openai`` client sends through ``extra_body``. ``SamplingParams`` and the engine do
+every range check, so their message (which starts with the field's name) becomes the
+HTTP 400's message.
+
+Nothing is silently ignored (``check_supported``):
+
+    honoured                    every field declared below
+    refused with a 400          fields of features microvllm does not have (yet):
+                                ``REFUSED`` names each with the reason
+    unknown to both APIs        logged as ignored (vLLM logs them the same way)
 """
 
 from __future__ import annotations
@@ -17,8 +25,34 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from microvllm.sampling_params import SamplingParams
 
+_NEEDS_STRUCTURED_OUTPUTS = ("needs structured outputs (constrained decoding), which microvllm "
+                             "does not implement yet: remove it")
+# Fields of the OpenAI API or of vLLM's server that name a feature microvllm lacks.
+REFUSED = {
+    "tools": "tool calling " + _NEEDS_STRUCTURED_OUTPUTS,
+    "tool_choice": "tool calling " + _NEEDS_STRUCTURED_OUTPUTS,
+    "functions": "function calling " + _NEEDS_STRUCTURED_OUTPUTS,
+    "function_call": "function calling " + _NEEDS_STRUCTURED_OUTPUTS,
+    "response_format": "a response format other than text " + _NEEDS_STRUCTURED_OUTPUTS,
+    "structured_outputs": _NEEDS_STRUCTURED_OUTPUTS,
+    "guided_json": _NEEDS_STRUCTURED_OUTPUTS,
+    "guided_regex": _NEEDS_STRUCTURED_OUTPUTS,
+    "guided_choice": _NEEDS_STRUCTURED_OUTPUTS,
+    "guided_grammar": _NEEDS_STRUCTURED_OUTPUTS,
+    "guided_decoding_backend": _NEEDS_STRUCTURED_OUTPUTS,
+    "suffix": "is not supported (fill-in-the-middle prompts; vLLM refuses it too): remove it",
+    "best_of": "(generate several, return the best) is not implemented: use n, or remove it",
+    "logits_processors": "(code in a request) is not accepted: remove it",
+    "modalities": "audio output is not supported: remove it",
+    "audio": "audio output is not supported: remove it",
+    "prediction": "predicted outputs are not supported: remove it",
+}
+# Values of refused fields that mean "off": a client that sends them asks for nothing.
+_OFF_VALUES = (None, [], {}, "none", "auto", {"type": "text"})
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -26,7 +60,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")   # OpenAI clients send fields we do not use (user, ...)
+    model_config = ConfigDict(extra="allow")   # kept so that check_supported can name them
 
     model: str | None = None
     n: int = 1
@@ -36,8 +70,10 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None                      # OpenAI's end-user id: recorded nowhere
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -45,8 +81,21 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    def check_supported(self) -> list[str]:
+        """Raise ``ValueError`` for a field of a feature microvllm lacks (naming it);
+        return the names of fields neither API knows (the caller logs them)."""
+        extra = dict(self.model_extra or {})
+        for name, value in {**extra, **{f: getattr(self, f, None) for f in REFUSED if f in type(self).model_fields}}.items():
+            if name in REFUSED and not _is_off(value):
+                raise ValueError(f"{name} {REFUSED[name]}")
+        return sorted(name for name in extra if name not in REFUSED)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         values: dict[str, Any] = dict(
@@ -58,14 +107,23 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
         return SamplingParams(**values)
 
 
+def _is_off(value) -> bool:
+    return any(value == off for off in _OFF_VALUES)
+
+
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of
-    token ids, or a list of those."""
+    token ids, or a list of those. ``echo`` puts the prompt before the completion (with
+    ``logprobs``, the prompt's logprobs too; ``max_tokens=0`` then scores the prompt
+    alone, as lm-eval's loglikelihood tasks do)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -73,7 +131,17 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs   # echo's logprobs cover the prompt too
+        scoring_only = self.max_tokens == 0
+        if scoring_only and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: it is only allowed with echo=true "
+                             "(to score the prompt); ask for at least 1 token")
+        params = self._sampling_params(1 if scoring_only else self.max_tokens, self.logprobs)
+        if prompt_logprobs is not None:
+            params = params.clone(prompt_logprobs=prompt_logprobs)
+        return params
 
     def prompts(self) -> list:
         """Every prompt of the request, as the engine takes them."""
@@ -86,9 +154,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    """One message; ``content`` may be null for an assistant message with ``tool_calls``."""
+
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -103,11 +176,37 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true: set logprobs to true, or remove top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 class ErrorInfo(BaseModel):

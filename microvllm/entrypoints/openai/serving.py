@@ -10,9 +10,13 @@ of ``RequestOutput``s. ``merge`` interleaves them as they come::
     stream=false: keep the last output of each, answer once
     stream=true:  one SSE event per output ("data: {...}\\n\\n"), then "data: [DONE]"
 
-A choice's index is ``prompt_index * n + sample_index``, as in vLLM. If the client goes
-away, the response's task is cancelled, ``merge`` cancels its generators, and each
-``AsyncLLM.generate`` aborts its request (its KV blocks are freed).
+Before anything reaches the engine, every prompt is tokenized off the engine's thread
+(``AsyncLLM.process_prompt``) and checked against the context: a request for more
+tokens than ``max_model_len`` leaves is a 400, as in vLLM. A choice's index is
+``prompt_index * n + sample_index``. If the client goes away, the response's task is
+cancelled, ``merge`` cancels its generators, and each ``AsyncLLM.generate`` aborts its
+request (its KV blocks are freed). A stream that fails midway ends with an error event
+and ``data: [DONE]``; one the server aborts (shutting down) with ``finish_reason: "abort"``.
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from microvllm.engine.async_llm import AsyncLLM
+import jinja2
+
+from microvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from microvllm.engine.outputs import CompletionOutput, RequestOutput
+from microvllm.entrypoints.openai.chat_utils import parse_chat_messages
 from microvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
+from microvllm.sampling_params import SamplingParams
 
 
 async def merge(generators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
@@ -71,9 +79,28 @@ def sse(data: dict | str) -> str:
 class OpenAIServing:
     """The two generation endpoints of one served model."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str):
+    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.chat_template = chat_template   # --chat-template: replaces the model's
+        self.max_model_len = engine.engine.config.max_model_len
+
+    # ---------------------------------------------------------- prompts
+    async def _prepare(self, prompt, params: SamplingParams, max_tokens: int | None, where: str) -> dict:
+        """Tokenize off the engine thread, then check the request fits the context."""
+        processed = await self.engine.process_prompt(prompt, params)
+        num_prompt_tokens = len(processed["prompt_token_ids"])
+        if num_prompt_tokens >= self.max_model_len:
+            field = "prompt" if where == "prompt" else "messages"
+            raise ValueError(f"{field}: the {where} has {num_prompt_tokens} tokens but this model's maximum "
+                             f"context length (max_model_len) is {self.max_model_len}, with room needed for "
+                             f"at least one new token: shorten the {where}")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: this model's maximum context length is {self.max_model_len} tokens; you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {where}, "
+                f"{max_tokens} in the completion): reduce the length of the {where} or max_tokens")
+        return processed
 
     # ------------------------------------------------------- completions
     async def create_completion(self, request: CompletionRequest):
@@ -83,8 +110,11 @@ class OpenAIServing:
         prompts = request.prompts()
         if not prompts:
             raise ValueError("prompt must not be empty")
+        scoring_only = request.max_tokens == 0
+        prepared = [await self._prepare(p, params, None if scoring_only else request.max_tokens, "prompt")
+                    for p in prompts]
         request_id = random_id("cmpl")
-        generators = [self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+        generators = [self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prepared)]
         results = merge(generators)
         first = await _first(results)   # a bad prompt raises here, before any response starts
         if request.stream:
@@ -92,16 +122,24 @@ class OpenAIServing:
         finals: dict[int, RequestOutput] = {}
         async for index, out in _chain_async(first, results):
             finals[index] = out
+        _raise_if_aborted(finals.values())
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index in sorted(finals):
             out = finals[index]
             prompt_tokens += len(out.prompt_token_ids)
             for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                text = (out.prompt or "") + c.text if request.echo else c.text
-                choices.append({"index": index * params.n + c.index, "text": text,
-                                "logprobs": _completion_logprobs(c, 0) if params.logprobs is not None else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                token_ids = [] if scoring_only else c.token_ids
+                completion_tokens += len(token_ids)
+                text = "" if scoring_only else c.text
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = _completion_logprobs(c, 0, out if request.echo else None, scoring_only)
+                choices.append({"index": index * params.n + c.index,
+                                "text": (out.prompt or "") + text if request.echo else text,
+                                "logprobs": logprobs,
+                                "finish_reason": "length" if scoring_only else c.finish_reason,
+                                "stop_reason": None if scoring_only else c.stop_reason,
+                                "prompt_logprobs": _prompt_logprobs(out) if request.prompt_logprobs else None})
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
                 "usage": _usage(prompt_tokens, completion_tokens)}
@@ -109,47 +147,60 @@ class OpenAIServing:
     async def _completion_events(self, request, request_id, first, results, n) -> AsyncIterator[str]:
         created, prompt_tokens, completion_tokens = int(time.time()), {}, {}
         sent: dict[tuple[int, int], int] = {}   # (prompt, sample) -> tokens already sent
-        async for index, out in _chain_async(first, results):
-            prompt_tokens[index] = len(out.prompt_token_ids)
-            choices = []
-            for c in out.outputs:
-                key = (index, c.index)
-                start = sent.get(key, 0)
-                if len(c.token_ids) == start and c.finish_reason is None:
-                    continue
-                sent[key] = len(c.token_ids)
-                completion_tokens[key] = len(c.token_ids)
-                text = c.delta_text
-                if request.echo and start == 0:
-                    text = (out.prompt or "") + text
-                choices.append({"index": index * n + c.index, "text": text,
-                                "logprobs": _completion_logprobs(c, start) if c.logprobs is not None else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            if choices:
-                yield sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": choices, "usage": None})
-        if request.stream_options is not None and request.stream_options.include_usage:
-            yield sse({"id": request_id, "object": "text_completion", "created": created,
-                       "model": self.model_name, "choices": [],
-                       "usage": _usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))})
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        try:
+            async for index, out in _chain_async(first, results):
+                prompt_tokens[index] = len(out.prompt_token_ids)
+                choices = []
+                for c in out.outputs:
+                    key = (index, c.index)
+                    start = sent.get(key, 0)
+                    if len(c.token_ids) == start and c.finish_reason is None:
+                        continue
+                    sent[key] = len(c.token_ids)
+                    completion_tokens[key] = len(c.token_ids)
+                    echo = request.echo and start == 0
+                    text = ((out.prompt or "") if echo else "") + c.delta_text
+                    logprobs = None
+                    if c.logprobs is not None:
+                        logprobs = _completion_logprobs(c, start, out if echo else None)
+                    choices.append({"index": index * n + c.index, "text": text, "logprobs": logprobs,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if choices:
+                    yield sse({**head, "choices": choices, "usage": None})
+        except (RequestFailedError, EngineDeadError) as error:
+            yield sse(error_event(error))
+        else:
+            if request.stream_options is not None and request.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": _usage(sum(prompt_tokens.values()),
+                                                                  sum(completion_tokens.values()))})
         yield sse("[DONE]")
 
     # -------------------------------------------------------------- chat
     def render_chat(self, request: ChatCompletionRequest) -> dict:
+        """The chat as text and token ids; raises ``ValueError`` naming what to change."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so chat messages cannot be rendered")
-        if not request.messages:
-            raise ValueError("messages must hold at least one message")
-        messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        return tokenizer.chat_prompt(
-            messages, request.add_generation_prompt, chat_template=request.chat_template,
-            continue_final_message=request.continue_final_message,
-            chat_template_kwargs=request.chat_template_kwargs)
+        messages = parse_chat_messages([m.model_dump(exclude_none=True) for m in request.messages])
+        chat_template = request.chat_template or self.chat_template
+        try:
+            return tokenizer.chat_prompt(
+                messages, request.add_generation_prompt, chat_template=chat_template,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs)
+        except jinja2.TemplateSyntaxError as error:
+            raise ValueError(f"chat_template is not a valid Jinja template (line {error.lineno}: "
+                             f"{error.message}): fix or remove chat_template") from None
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as error:
+            which = "the chat_template given" if chat_template else "the model's chat template"
+            raise ValueError(f"messages: {which} cannot render these messages ({type(error).__name__}: "
+                             f"{error}): change the messages or pass another chat_template") from None
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         params = request.to_sampling_params()
-        prompt = self.render_chat(request)
+        prompt = await asyncio.to_thread(self.render_chat, request)
+        prompt = await self._prepare(prompt, params, request.requested_max_tokens, "messages")
         request_id = random_id("chatcmpl")
         results = merge([self.engine.generate(prompt, params, request_id)])
         first = await _first(results)
@@ -158,13 +209,17 @@ class OpenAIServing:
         out = first[1]
         async for _, out in results:
             pass
+        _raise_if_aborted([out])
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": _chat_logprobs(c, 0, params.logprobs) if params.logprobs is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for c in out.outputs]
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
-                "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+        response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": self.model_name, "choices": choices,
+                    "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+        if request.prompt_logprobs:
+            response["prompt_logprobs"] = _prompt_logprobs(out)
+        return response
 
     async def _chat_events(self, request, request_id, first, results, top_n) -> AsyncIterator[str]:
         created = int(time.time())
@@ -174,25 +229,45 @@ class OpenAIServing:
                                         "logprobs": None, "finish_reason": None} for i in range(n)]})
         sent: dict[int, int] = {}
         out = first[1]
-        async for _, out in _chain_async(first, results):
-            choices = []
-            for c in out.outputs:
-                start = sent.get(c.index, 0)
-                if len(c.token_ids) == start and c.finish_reason is None:
-                    continue
-                sent[c.index] = len(c.token_ids)
-                choices.append({"index": c.index, "delta": {"content": c.delta_text},
-                                "logprobs": _chat_logprobs(c, start, top_n) if top_n is not None else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            if choices:
-                yield sse({**head, "choices": choices, "usage": None})
-        if request.stream_options is not None and request.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(
-                len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))})
+        try:
+            async for _, out in _chain_async(first, results):
+                choices = []
+                for c in out.outputs:
+                    start = sent.get(c.index, 0)
+                    if len(c.token_ids) == start and c.finish_reason is None:
+                        continue
+                    sent[c.index] = len(c.token_ids)
+                    choices.append({"index": c.index, "delta": {"content": c.delta_text},
+                                    "logprobs": _chat_logprobs(c, start, top_n) if top_n is not None else None,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if choices:
+                    yield sse({**head, "choices": choices, "usage": None})
+        except (RequestFailedError, EngineDeadError) as error:
+            yield sse(error_event(error))
+        else:
+            if request.stream_options is not None and request.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": _usage(
+                    len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))})
         yield sse("[DONE]")
 
 
 # ------------------------------------------------------------------ helpers
+class ServerShuttingDown(RuntimeError):
+    """A non-streamed request the server aborted because it is shutting down."""
+
+
+def error_event(error: Exception) -> dict:
+    """The last event of a stream that failed midway (vLLM sends the same shape)."""
+    kind = "ServiceUnavailableError" if isinstance(error, EngineDeadError) else "InternalServerError"
+    code = 503 if isinstance(error, EngineDeadError) else 500
+    return {"error": {"message": str(error), "type": kind, "param": None, "code": code}}
+
+
+def _raise_if_aborted(outputs) -> None:
+    if any(c.finish_reason == "abort" for out in outputs for c in out.outputs):
+        raise ServerShuttingDown("the server is shutting down and aborted this request: retry it")
+
+
 async def _closing(events: AsyncIterator[str], results) -> AsyncIterator[str]:
     """Stream ``events``; however the stream ends, close ``results``: when the client went
     away mid-stream, that aborts its requests now."""
@@ -221,17 +296,43 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _completion_logprobs(c: CompletionOutput, start: int) -> dict:
-    """OpenAI's legacy completions form for tokens ``start:`` of ``c``."""
-    tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
-    for token_id, row in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-        chosen = row.get(token_id)
-        tokens.append(chosen.decoded_token if chosen else "")
-        token_logprobs.append(chosen.logprob if chosen else None)
-        top.append({lp.decoded_token: lp.logprob for lp in row.values()})
+def _completion_logprobs(c: CompletionOutput, start: int, echoed: RequestOutput | None = None,
+                         scoring_only: bool = False) -> dict:
+    """OpenAI's legacy completions form for tokens ``start:`` of ``c``; with ``echoed``
+    (echo=true), the prompt's tokens first (the very first has no logprob: None).
+    ``text_offset[i]`` is where token i's text starts in the choice's ``text``."""
+    tokens, token_logprobs, top = [], [], []
+    if echoed is not None:
+        for position, token_id in enumerate(echoed.prompt_token_ids):
+            row = echoed.prompt_logprobs[position] if echoed.prompt_logprobs else None
+            tokens.append(_token_text(row, token_id))
+            token_logprobs.append(row[token_id].logprob if row else None)
+            top.append({lp.decoded_token: lp.logprob for lp in row.values()} if row else None)
+    if not scoring_only:
+        for token_id, row in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+            tokens.append(_token_text(row, token_id))
+            token_logprobs.append(row[token_id].logprob if token_id in row else None)
+            top.append({lp.decoded_token: lp.logprob for lp in row.values()})
+    offsets, offset = [], 0
+    for token in tokens:
         offsets.append(offset)
-        offset += len(tokens[-1] or "")
+        offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _token_text(row, token_id: int) -> str:
+    chosen = row.get(token_id) if row else None
+    return (chosen.decoded_token if chosen else "") or ""
+
+
+def _prompt_logprobs(out: RequestOutput) -> list | None:
+    """vLLM's ``prompt_logprobs`` in JSON: per position ``{id: {logprob, rank, decoded_token}}``."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if row is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                               "decoded_token": lp.decoded_token}
+                                      for t, lp in row.items()}
+            for row in out.prompt_logprobs]
 
 
 def _chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> dict:
