@@ -85,6 +85,10 @@ class OpenAIServing:
         self.chat_template = chat_template   # --chat-template: replaces the model's
         self.max_model_len = engine.engine.config.max_model_len
 
+    def _decode_one(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else ""
+
     # ---------------------------------------------------------- prompts
     async def _prepare(self, prompt, params: SamplingParams, max_tokens: int | None, where: str) -> dict:
         """Tokenize off the engine thread, then check the request fits the context."""
@@ -133,7 +137,8 @@ class OpenAIServing:
                 text = "" if scoring_only else c.text
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = _completion_logprobs(c, 0, out if request.echo else None, scoring_only)
+                    logprobs = _completion_logprobs(c, 0, out if request.echo else None, scoring_only,
+                                                    self._decode_one)
                 choices.append({"index": index * params.n + c.index,
                                 "text": (out.prompt or "") + text if request.echo else text,
                                 "logprobs": logprobs,
@@ -163,7 +168,7 @@ class OpenAIServing:
                     text = ((out.prompt or "") if echo else "") + c.delta_text
                     logprobs = None
                     if c.logprobs is not None:
-                        logprobs = _completion_logprobs(c, start, out if echo else None)
+                        logprobs = _completion_logprobs(c, start, out if echo else None, decode=self._decode_one)
                     choices.append({"index": index * n + c.index, "text": text, "logprobs": logprobs,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
@@ -297,7 +302,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def _completion_logprobs(c: CompletionOutput, start: int, echoed: RequestOutput | None = None,
-                         scoring_only: bool = False) -> dict:
+                         scoring_only: bool = False, decode=None) -> dict:
     """OpenAI's legacy completions form for tokens ``start:`` of ``c``; with ``echoed``
     (echo=true), the prompt's tokens first (the very first has no logprob: None).
     ``text_offset[i]`` is where token i's text starts in the choice's ``text``."""
@@ -305,7 +310,8 @@ def _completion_logprobs(c: CompletionOutput, start: int, echoed: RequestOutput 
     if echoed is not None:
         for position, token_id in enumerate(echoed.prompt_token_ids):
             row = echoed.prompt_logprobs[position] if echoed.prompt_logprobs else None
-            tokens.append(_token_text(row, token_id))
+            # The first prompt token has no row (nothing predicts it): decode it alone.
+            tokens.append(_token_text(row, token_id) if row or decode is None else decode(token_id))
             token_logprobs.append(row[token_id].logprob if row else None)
             top.append({lp.decoded_token: lp.logprob for lp in row.values()} if row else None)
     if not scoring_only:
