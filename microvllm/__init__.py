@@ -20,12 +20,12 @@ import logging
 
 from microvllm.cli.parser import FlexibleArgumentParser
 from microvllm.distributed import cleanup_dist_env_and_memory
-from microvllm.engine.arg_utils import EngineArgs
+from microvllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from microvllm.engine.engine import LLMEngine
 from microvllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from microvllm.inputs import TextPrompt, TokensPrompt
 from microvllm.llm import LLM
-from microvllm.sampling_params import SamplingParams
+from microvllm.sampling_params import RequestOutputKind, SamplingParams
 
 # A library adds no handlers: the application (or `microvllm` the command) decides
 # where log lines go. This only silences "no handler" warnings on old Pythons.
@@ -33,5 +33,5 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineArgs",
            "LLMEngine", "TokensPrompt", "TextPrompt", "FlexibleArgumentParser",
-           "cleanup_dist_env_and_memory"]
+           "cleanup_dist_env_and_memory", "AsyncEngineArgs", "RequestOutputKind"]
 __version__ = "0.1.0"

@@ -35,16 +35,30 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 # vLLM engine options that microvllm does not implement: named as such, not "unknown".
 VLLM_ONLY_ENGINE_OPTIONS = (
-    "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "quantization",
-    "kv_cache_dtype", "swap_space", "cpu_offload_gb", "load_format", "download_dir", "revision",
-    "tokenizer_revision", "code_revision", "tokenizer_mode", "hf_overrides", "hf_token",
-    "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "enable_sleep_mode",
-    "compilation_config", "max_seq_len_to_capture", "num_gpu_blocks_override",
-    "limit_mm_per_prompt", "mm_processor_kwargs", "task", "runner", "served_model_name",
-    "override_generation_config", "structured_outputs_config", "guided_decoding_backend",
-    "kv_transfer_config", "worker_cls", "logits_processors", "scheduling_policy",
-    "async_scheduling", "enable_expert_parallel", "disable_custom_all_reduce", "rope_scaling",
-    "allowed_local_media_path", "seed_everything",
+    "pipeline_parallel_size", "data_parallel_size", "data_parallel_rank", "data_parallel_size_local",
+    "data_parallel_address", "data_parallel_rpc_port", "data_parallel_backend", "decode_context_parallel_size",
+    "distributed_executor_backend", "quantization", "kv_cache_dtype", "swap_space", "cpu_offload_gb",
+    "load_format", "config_format", "download_dir", "revision", "tokenizer_revision", "code_revision",
+    "tokenizer_mode", "hf_config_path", "hf_overrides", "hf_token", "skip_tokenizer_init",
+    "enable_prompt_embeds", "speculative_config", "enable_lora", "enable_lora_bias", "max_loras",
+    "max_lora_rank", "max_cpu_loras", "lora_dtype", "fully_sharded_loras", "enable_sleep_mode",
+    "compilation_config", "cuda_graph_sizes", "max_seq_len_to_capture", "num_gpu_blocks_override",
+    "num_lookahead_slots", "logprobs_mode", "limit_mm_per_prompt", "mm_processor_kwargs",
+    "mm_processor_cache_gb", "disable_mm_preprocessor_cache", "interleave_mm_strings", "media_io_kwargs",
+    "task", "runner", "convert", "served_model_name", "override_generation_config",
+    "structured_outputs_config", "guided_decoding_backend", "reasoning_parser", "kv_transfer_config",
+    "kv_events_config", "worker_cls", "worker_extension_cls", "logits_processors",
+    "logits_processor_pattern", "scheduling_policy", "scheduler_cls", "async_scheduling",
+    "enable_expert_parallel", "enable_eplb", "enable_dbo", "disable_custom_all_reduce", "rope_scaling",
+    "rope_theta", "allowed_local_media_path", "allowed_media_domains", "seed_everything",
+    "max_parallel_loading_workers", "prefix_caching_hash_algo", "disable_sliding_window",
+    "disable_cascade_attn", "max_num_partial_prefills", "max_long_partial_prefills",
+    "long_prefill_token_threshold", "disable_chunked_mm_input", "disable_hybrid_kv_cache_manager",
+    "model_loader_extra_config", "ignore_patterns", "pooler_config", "override_pooler_config",
+    "model_impl", "override_attention_dtype", "calculate_kv_scales", "mamba_cache_dtype",
+    "additional_config", "use_tqdm_on_load", "pt_load_map_location", "stream_interval",
+    "kv_sharing_fast_prefill", "otlp_traces_endpoint", "collect_detailed_traces",
+    "show_hidden_metrics_for_version", "aggregate_engine_logging", "safetensors_load_strategy",
 )
 
 
@@ -200,11 +214,17 @@ def check_engine_options(options: dict) -> None:
     unknown = sorted(set(options) - known)
     if not unknown:
         return
-    name = unknown[0]
-    if name in VLLM_ONLY_ENGINE_OPTIONS:
-        hint = "a vLLM option that microvllm does not implement"
-    else:
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else "not a vLLM or microvllm option: a typo?"
-    raise TypeError(f"LLM() got an unknown argument {name!r} ({hint}): remove it. "
+    described = []
+    for name in unknown:   # every one at once: fixing them one run at a time is slow
+        if name in VLLM_ONLY_ENGINE_OPTIONS:
+            described.append(f"{name!r} (a vLLM option that microvllm does not implement)")
+        else:
+            close = difflib.get_close_matches(name, known, n=1)
+            described.append(f"{name!r} ({f'did you mean {close[0]!r}?' if close else 'not a vLLM or microvllm option: a typo?'})")
+    which = "an unknown argument" if len(unknown) == 1 else f"{len(unknown)} unknown arguments"
+    raise TypeError(f"LLM() got {which}: {'; '.join(described)}: remove {'it' if len(unknown) == 1 else 'them'}. "
                     f"Valid arguments: {', '.join(sorted(known))}")
+
+
+# vLLM's name for the same settings when they build an AsyncLLM.
+AsyncEngineArgs = EngineArgs

@@ -37,7 +37,7 @@ from microvllm.engine.engine import Engine
 from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.engine.metrics import ServingMetrics
 from microvllm.engine.outputs import RequestOutput
-from microvllm.sampling_params import SamplingParams
+from microvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,9 @@ class AsyncLLM:
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield a ``RequestOutput`` each step this request moves; the last has
-        ``finished=True``. A bad prompt or parameter raises ``ValueError`` / ``TypeError``
+        ``finished=True``. ``sampling_params.output_kind`` says what each holds: all the
+        text so far (CUMULATIVE, the default), only what is new (DELTA), or only the
+        last one is yielded (FINAL_ONLY). A bad prompt or parameter raises ``ValueError`` / ``TypeError``
         before anything is yielded. Closing or cancelling the generator aborts the request."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or failed)")
@@ -117,6 +119,7 @@ class AsyncLLM:
                 raise ValueError(f"request_id={request_id!r} is already in use: give each request a unique id")
             self._streams[request_id] = (loop, outputs)
         finished = False
+        kind = sampling_params.output_kind if sampling_params is not None else RequestOutputKind.CUMULATIVE
         try:
             self._commands.put(("add", (request_id, prompt, sampling_params), accepted))
             await asyncio.wrap_future(accepted)  # re-raises the engine's ValueError
@@ -127,7 +130,10 @@ class AsyncLLM:
                 finished = out.finished
                 if out.error is not None:
                     raise RequestFailedError(out.error)
-                yield out
+                if kind == RequestOutputKind.DELTA:
+                    yield _delta(out)
+                elif kind == RequestOutputKind.CUMULATIVE or finished:
+                    yield out
                 if finished:
                     return
         finally:
@@ -263,3 +269,15 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     return dataclasses.replace(out, outputs=completions,
                                prompt_logprobs=list(out.prompt_logprobs) if out.prompt_logprobs else
                                out.prompt_logprobs)
+
+
+def _delta(out: RequestOutput) -> RequestOutput:
+    """``RequestOutputKind.DELTA``: each sample holds only this step's tokens, text and
+    logprobs (vLLM's DELTA outputs; ``delta_text`` and ``delta_token_ids`` stay as well)."""
+    completions = []
+    for c in out.outputs:
+        new = len(c.delta_token_ids)
+        logprobs = c.logprobs[len(c.logprobs) - new:] if c.logprobs is not None else None
+        completions.append(dataclasses.replace(c, text=c.delta_text, token_ids=list(c.delta_token_ids),
+                                               logprobs=logprobs))
+    return dataclasses.replace(out, outputs=completions)

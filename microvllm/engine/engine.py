@@ -163,14 +163,15 @@ class Engine:
         if taken:
             raise ValueError(f"request_id={request_id!r} is already in use (unfinished: {taken}): "
                              "give each request a unique id (or wait until it finishes)")
-        text, token_ids = self.tokenize_prompt(prompt, params)
+        text, token_ids = self.tokenize_prompt(prompt, params, name=name or request_id)
         if params.bad_words:
             params = params.clone()   # the caller's object stays as it was
             params.bad_words_token_ids = self.prompts.bad_words_token_ids(params.bad_words)
         self._check_fits(name or request_id, token_ids)
         return ProcessedRequest(request_id, text, token_ids, params)
 
-    def tokenize_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt, params: SamplingParams, *,
+                        name: str | None = None) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt, truncated as ``params.truncate_prompt_tokens`` asks.
         Changes nothing, so a server may call it on another thread. A text far too long
         for ``max_model_len`` is refused before it is tokenized (that alone could take
@@ -182,7 +183,8 @@ class Engine:
         if isinstance(text, str) and truncate is None and self.prompts.tokenizer is not None:
             min_tokens = len(text) // self.prompts.max_token_chars
             if min_tokens >= self.config.max_model_len:
-                raise ValueError(f"prompt has {len(text):,} characters, so at least {min_tokens:,} tokens, but "
+                which = f"request {name!r}: the prompt" if name else "prompt"
+                raise ValueError(f"{which} has {len(text):,} characters, so at least {min_tokens:,} tokens, but "
                                  f"max_model_len is {self.config.max_model_len}: shorten the prompt "
                                  "(or set truncate_prompt_tokens)")
         text, token_ids = self.prompts.process(prompt)

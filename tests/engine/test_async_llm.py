@@ -145,3 +145,48 @@ def test_trace_records_arrivals_and_the_timeline_marks_them(tiny_models):
     ax = plot_timeline(trace).axes[0]
     gids = {c.get_gid() for c in ax.collections}
     assert {"arrivals", "first-tokens"} <= gids
+
+
+def test_delta_and_final_only_output_kinds(async_llm, tiny_models):
+    """vLLM's RequestOutputKind: DELTA outputs hold only the new tokens and text (they add
+    up to the whole), FINAL_ONLY yields one output."""
+    from microvllm import RequestOutputKind
+
+    base = dict(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    whole = run(collect(async_llm, "the engine", SamplingParams(**base)))[-1].outputs[0]
+    deltas = run(collect(async_llm, "the engine", SamplingParams(**base, output_kind=RequestOutputKind.DELTA)))
+    assert len(deltas) > 1 and deltas[-1].finished
+    assert [t for o in deltas for t in o.outputs[0].token_ids] == whole.token_ids
+    assert "".join(o.outputs[0].text for o in deltas) == whole.text
+    assert [row for o in deltas for row in o.outputs[0].logprobs] == whole.logprobs
+    final = run(collect(async_llm, "the engine", SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY)))
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == whole.token_ids
+
+
+def test_vllm_async_streaming_shape(tiny_models):
+    """What vLLM's examples/offline_inference/async_llm_streaming.py does, with the import
+    edit (vllm.engine.arg_utils -> microvllm, vllm.v1.engine.async_llm -> microvllm.engine):
+    AsyncEngineArgs, AsyncLLM.from_engine_args, generate by keyword with DELTA outputs."""
+    from microvllm import AsyncEngineArgs, RequestOutputKind
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(tiny_models["llama"]), enforce_eager=True,
+                                                       **SETTINGS))
+    try:
+        params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=42,
+                                output_kind=RequestOutputKind.DELTA)
+
+        async def stream():
+            pieces = []
+            async for output in engine.generate(request_id="stream-1", prompt="In a galaxy",
+                                                sampling_params=params):
+                pieces.extend(completion.text for completion in output.outputs)
+                if output.finished:
+                    break
+            return pieces
+
+        pieces = run(stream())
+        again = LLM(str(tiny_models["llama"]), **SETTINGS).generate(
+            "In a galaxy", SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=42), use_tqdm=False)
+        assert "".join(pieces) == again[0].outputs[0].text
+    finally:
+        engine.shutdown()

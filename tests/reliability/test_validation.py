@@ -249,6 +249,9 @@ SETTING_CASES = {
                                ["tensor_parallel_size=0", "at least 1"], True),
     "separate tokenizer": (dict(tokenizer="gpt2"), ValueError, ["tokenizer='gpt2'", "remove tokenizer="], True),
     "option typo": (dict(num_kv_block=8), TypeError, ["'num_kv_block'", "did you mean 'num_kv_blocks'"], True),
+    "several unknown at once": (dict(config_format="hf", num_kv_block=8, flux_capacitor=1), TypeError,
+                                ["3 unknown arguments", "'config_format' (a vllm option that microvllm does not "
+                                 "implement)", "did you mean 'num_kv_blocks'", "'flux_capacitor' (not a vllm"], True),
 }
 
 
