@@ -6,6 +6,7 @@ and the fixture makes sure no process is left either way.
 """
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -25,7 +26,8 @@ from microvllm.bench.serve import benchmark, random_prompts
 from microvllm.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = ["--max-model-len", "1024", "--max-num-seqs", "16", "--max-num-batched-tokens", "128"]
+SETTINGS = ["--max-model-len", "1024", "--max-num-seqs", "16", "--max-num-batched-tokens", "128",
+            "--shutdown-timeout", "1"]
 LLM_SETTINGS = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=128)
 STARTUP_TIMEOUT = 180.0
 
@@ -283,26 +285,61 @@ def test_load_above_capacity_loses_no_request_and_frees_every_block(server):
     wait_for(lambda: idle(server), 60, "every KV block free after the load")
 
 
-def test_sigterm_ends_the_server_cleanly(server):
-    """SIGTERM with a stream in flight: the server exits 0 within a bounded time."""
-    payload = {"model": server.folder, "prompt": "the engine", "max_tokens": 900, "temperature": 0,
-               "ignore_eos": True, "stream": True}
-    started = threading.Event()
+def test_a_taken_port_is_reported_before_the_model_loads(server):
+    result = subprocess.run([sys.executable, "-m", "microvllm", "serve", "/no/such/model", "--port",
+                             str(server.port)], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # The model path does not exist: had the model been loaded first, that would be the error.
+    assert result.returncode != 0 and f"cannot listen on 127.0.0.1:{server.port}" in result.stderr
 
-    def stream():
+
+def test_sigterm_ends_every_stream_with_done(server):
+    """SIGTERM with streams and a plain request in flight: after --shutdown-timeout (1 s
+    here) what still runs is aborted: each stream's last chunk says finish_reason "abort"
+    (or it had finished), then [DONE]; the plain request gets a JSON error; exit status 0,
+    and no traceback in the log."""
+    payload = {"model": server.folder, "prompt": "the engine", "max_tokens": 980, "temperature": 0,
+               "ignore_eos": True, "stream": True}
+    started = [threading.Event() for _ in range(4)]
+    streams: list[list[str]] = [[] for _ in range(4)]
+    plain: dict = {}
+
+    def stream(index):
         try:
             with httpx.stream("POST", server.url + "/v1/completions", json=payload, timeout=60) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
-                        started.set()
-        except httpx.HTTPError:
-            pass
-        started.set()
+                        streams[index].append(line[6:])
+                        started[index].set()
+        except httpx.HTTPError as error:
+            streams[index].append(f"transport error: {error!r}")
+        started[index].set()
 
-    thread = threading.Thread(target=stream, daemon=True)
-    thread.start()
-    assert started.wait(60)
+    def post():
+        try:
+            plain["response"] = httpx.post(server.url + "/v1/completions", json={**payload, "stream": False},
+                                           timeout=60)
+        except httpx.HTTPError as error:
+            plain["error"] = error
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+    threads.append(threading.Thread(target=post, daemon=True))
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(60) for event in started)
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(60) == 0, server.log_path.read_text()[-3000:]
-    thread.join(60)
-    assert not thread.is_alive()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive()
+    reasons = []
+    for events in streams:
+        assert events[-1] == "[DONE]", events[-3:]
+        last = json.loads(events[-2])
+        reasons.append(last["choices"][0]["finish_reason"])
+    assert set(reasons) <= {"abort", "length"} and "abort" in reasons, reasons
+    response = plain.get("response")
+    assert response is not None, plain
+    assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
+    log = server.log_path.read_text()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
