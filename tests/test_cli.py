@@ -94,3 +94,13 @@ def test_bench_throughput_vllm_flags_line_and_json(capsys, tiny_llama, tmp_path)
     data = json.loads(report.read_text())
     assert data["num_requests"] == 3 and data["total_num_tokens"] == 3 * (12 + 5)
     assert data["requests_per_second"] == pytest.approx(float(line[1]), rel=0.01)
+
+
+def test_bench_serve_takes_vllms_dataset_spellings():
+    from microvllm.bench.serve import build_parser
+
+    args = build_parser().parse_args(["--dataset-name", "random", "--random-input-len", "7",
+                                      "--random-output-len", "3", "--num-prompts", "5"])
+    assert (args.dataset_name, args.input_len, args.output_len, args.num_prompts) == ("random", 7, 3, 5)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--dataset-name", "sharegpt"])

@@ -193,8 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default=None, help="default: the server's one model (/v1/models)")
     parser.add_argument("--num-prompts", type=_positive_int, default=64)
-    parser.add_argument("--input-len", type=_positive_int, default=32, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=_positive_int, default=32, help="tokens generated per request")
+    # vLLM's spellings (--dataset-name random --random-input-len N) work too.
+    parser.add_argument("--dataset-name", choices=["random"], default="random",
+                        help="where prompts come from: random token sequences (vLLM's other datasets "
+                             "need downloads, which this benchmark never makes)")
+    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=_positive_int, default=32,
+                        help="prompt tokens per request")
+    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=_positive_int,
+                        default=32, help="tokens generated per request")
     parser.add_argument("--request-rate", type=_rate, default=float("inf"),
                         help="requests per second (Poisson arrivals); inf sends them all at once")
     parser.add_argument("--max-concurrency", type=_positive_int, default=None,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import os
 import re
@@ -237,8 +238,7 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
 
     @app.get("/version")
     async def version():
-        from microvllm import __version__
-        return {"version": __version__}
+        return {"version": importlib.metadata.version("microvllm")}
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, root=model_name, max_model_len=serving.max_model_len)
