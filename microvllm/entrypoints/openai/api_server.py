@@ -64,8 +64,9 @@ def error_response(status: int, message: str, kind: str | None = None, param: st
 
 
 def bad_request(error: Exception, fields) -> JSONResponse:
-    """HTTP 400 with the engine's message; ``param`` is the field it starts with."""
-    message = str(error)
+    """HTTP 400 with the engine's message; ``param`` is the field it starts with. The
+    engine's own request ids ("request 'cmpl-…-0': ...") are internal: left out."""
+    message = re.sub(r"^request '[^']*': ", "", str(error))
     first = re.match(r"[\w]+", message)
     param = first.group(0) if first and first.group(0) in fields else None
     return error_response(400, message, "BadRequestError", param)
