@@ -1,0 +1,164 @@
+"""The course's own backend: a regex's DFA (``regex_dfa.py``) turned into token masks.
+
+The model does not write characters, it writes tokens, and one token spans several
+characters (so several DFA states). For the DFA state ``s`` the text is in, token ``t``
+may come next iff reading t's characters from ``s`` never reaches a dead state::
+
+    pattern  [0-9]+(\\.[0-9]+)?         state after "3":  digits or "." may follow
+    token "14"    -> 1, 4: live     allowed        token ".5"  -> ., 5: live     allowed
+    token "."     -> live           allowed        token "5a"  -> 5, a: dead     masked
+    token " 7"    -> " ": dead      masked         EOS: allowed (the text "3" matches)
+
+Checking every vocabulary entry character by character is slow (49,152 entries for
+SmolLM2), so the vocabulary is a trie: tokens that share a prefix share its walk, and a
+dead prefix prunes all tokens below it. Each state's mask is remembered: a pattern
+visits few states. Tokens that are not whole characters (a byte of a multi-byte
+character) and special tokens are never allowed while a grammar runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from microvllm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
+                                                       StructuredOutputOptions)
+from microvllm.structured_output.bitmask import pack
+from microvllm.structured_output.regex_dfa import RegexDFA
+
+
+class TokenTrie:
+    """The vocabulary's texts as a trie: ``children[node]`` maps a character to a node,
+    ``ends[node]`` lists the ids whose text ends there. Node 0 is the empty prefix."""
+
+    def __init__(self, texts: dict[int, str]):
+        self.children: list[dict[str, int]] = [{}]
+        self.ends: list[list[int]] = [[]]
+        for token_id, text in texts.items():
+            node = 0
+            for ch in text:
+                nxt = self.children[node].get(ch)
+                if nxt is None:
+                    nxt = len(self.children)
+                    self.children[node][ch] = nxt
+                    self.children.append({})
+                    self.ends.append([])
+                node = nxt
+            self.ends[node].append(token_id)
+
+    def allowed_from(self, dfa: RegexDFA, state: int) -> list[int]:
+        """Every id whose whole text can be read from ``state`` without dying."""
+        allowed: list[int] = []
+        stack = [(0, state)]
+        while stack:
+            node, at = stack.pop()
+            if node:
+                allowed.extend(self.ends[node])
+            for ch, child in self.children[node].items():
+                nxt = dfa.step(at, ch)
+                if nxt != dfa.DEAD:
+                    stack.append((child, nxt))
+        return allowed
+
+
+class TokenVocabulary:
+    """What the backend needs of a tokenizer: each usable id's text, the EOS ids."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        hf = getattr(tokenizer, "hf_tokenizer", tokenizer)
+        special = set(getattr(hf, "all_special_ids", []))
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or {hf.eos_token_id} - {None})
+        texts = {}
+        for token_id in range(min(vocab_size, len(hf))):
+            if token_id in special:
+                continue
+            text = hf.decode([token_id], skip_special_tokens=False)
+            if text and "\ufffd" not in text:   # whole characters only
+                texts[token_id] = text
+        self.texts = texts
+        self.trie = TokenTrie(texts)
+
+
+class RegexGrammar(StructuredOutputGrammar):
+    """A matcher: the DFA state after each accepted token (a stack, for rollback)."""
+
+    def __init__(self, dfa: RegexDFA, vocabulary: TokenVocabulary, masks: dict[int, torch.Tensor]):
+        self.dfa, self.vocabulary, self._masks = dfa, vocabulary, masks
+        self.states = [dfa.start]
+        self.terminated = False
+
+    def allowed_ids(self) -> torch.Tensor:
+        """bool [vocab_size]: the ids that may come next."""
+        state = self.states[-1]
+        if state not in self._masks:
+            mask = torch.zeros(self.vocabulary.vocab_size, dtype=torch.bool)
+            mask[self.vocabulary.trie.allowed_from(self.dfa, state)] = True
+            if self.dfa.is_accepting(state):
+                mask[self.vocabulary.eos_token_ids] = True
+            self._masks[state] = mask
+        return self._masks[state]
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        states = list(self.states)
+        for token in tokens:
+            if self.terminated:
+                return False
+            state = states[-1]
+            if token in self.vocabulary.eos_token_ids:
+                if not self.dfa.is_accepting(state):
+                    return False
+                self.terminated = True
+                states.append(state)
+                continue
+            text = self.vocabulary.texts.get(token)
+            nxt = self.dfa.walk(state, text) if text is not None else self.dfa.DEAD
+            if nxt == self.dfa.DEAD:
+                return False
+            states.append(nxt)
+        self.states = states
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = pack(self.allowed_ids())
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            del self.states[-num_tokens:]
+            self.terminated = False
+
+    def reset(self) -> None:
+        self.states, self.terminated = [self.dfa.start], False
+
+
+class RegexBackend(StructuredOutputBackend):
+    """``regex`` and ``choice`` with the course's DFA; other kinds need xgrammar."""
+
+    name = "course"
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.vocabulary = TokenVocabulary(tokenizer, vocab_size)
+        self._compiled: dict[str, tuple[RegexDFA, dict]] = {}
+
+    def compile_grammar(self, kind: StructuredOutputOptions, spec: str) -> RegexGrammar:
+        if kind == StructuredOutputOptions.CHOICE:
+            spec = choice_regex(spec)
+        elif kind != StructuredOutputOptions.REGEX:
+            raise ValueError(f"the course backend compiles regex and choice only, not {kind.value}: "
+                             "use the xgrammar backend for JSON schemas, JSON objects and grammars")
+        if spec not in self._compiled:   # the same pattern shares its DFA and masks
+            self._compiled[spec] = (RegexDFA(spec), {})
+        dfa, masks = self._compiled[spec]
+        return RegexGrammar(dfa, self.vocabulary, masks)
+
+
+def choice_regex(choices) -> str:
+    """``["yes", "no"]`` -> ``(yes|no)``, every other character escaped."""
+    import json
+
+    if isinstance(choices, str):
+        choices = json.loads(choices)
+    escaped = ["".join(ch if ch.isalnum() else "\\" + ch for ch in choice) for choice in choices]
+    return "(" + "|".join(escaped) + ")"
