@@ -54,6 +54,10 @@ class EngineConfig:
     """On CUDA: the fraction of the GPU's free memory this engine may use (weights,
     activations and KV cache); the KV cache gets what the rest leaves. Unused on a CPU."""
     seed: int = 0
+    structured_outputs_backend: str = "auto"
+    """Which backend compiles structured outputs: ``"xgrammar"`` (vLLM's default; every
+    kind), ``"course"`` (the course's regex DFA: regex and choice), or ``"auto"``
+    (xgrammar where it is installed)."""
     max_logprobs: int = 20
     """The most ``logprobs`` / ``prompt_logprobs`` one request may ask for (vLLM's default,
     20); -1 allows up to the vocabulary size."""

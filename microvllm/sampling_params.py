@@ -27,7 +27,7 @@ import numbers
 SAMPLING_EPS = 1e-5
 
 # vLLM options that microvllm does not implement, to say so instead of "unknown".
-VLLM_ONLY_OPTIONS = ("best_of", "logits_processors", "guided_decoding", "structured_outputs", "detokenize",
+VLLM_ONLY_OPTIONS = ("best_of", "logits_processors", "guided_decoding", "detokenize",
                      "spaces_between_special_tokens")
 
 
@@ -37,6 +37,58 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0   # every output holds all the tokens and text so far
     DELTA = 1        # each output holds only what is new since the last one
     FINAL_ONLY = 2   # one output, when the request finishes
+
+
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``); exactly one of:
+
+    json: a JSON schema (a dict, or its JSON text): the output is a JSON value it validates.
+    regex: the whole output matches this regular expression.
+    choice: the output is exactly one of these strings.
+    grammar: an EBNF grammar (xgrammar's GBNF dialect).
+    json_object: True: the output is some JSON object.
+    """
+
+    __slots__ = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __init__(self, json: dict | str | None = None, regex: str | None = None,
+                 choice: list[str] | None = None, grammar: str | None = None,
+                 json_object: bool | None = None):
+        self.json, self.regex, self.choice, self.grammar, self.json_object = json, regex, choice, grammar, json_object
+        given = [name for name in self.__slots__ if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or its text), "
+                            f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and (not isinstance(getattr(self, name), str)
+                                                    or not getattr(self, name)):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise TypeError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which one was given: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in self.__slots__ if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """What the backend compiles, as text (a schema or a choice list as JSON)."""
+        import json as json_module
+
+        value = getattr(self, self.kind)
+        return value if isinstance(value, str) else json_module.dumps(value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StructuredOutputsParams) and all(
+            getattr(self, n) == getattr(other, n) for n in self.__slots__)
+
+    def __repr__(self) -> str:
+        return f"StructuredOutputsParams({self.kind}={getattr(self, self.kind)!r})"
 
 
 class SamplingParams:
@@ -70,6 +122,8 @@ class SamplingParams:
         tokenization is banned wherever the output already ends with the others.
     truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last
         max_model_len - 1).
+    structured_outputs: a ``StructuredOutputsParams``: the output must match a JSON
+        schema, a regex, a grammar or one of several choices (constrained decoding).
     output_kind: what ``AsyncLLM.generate`` yields each step: CUMULATIVE (all the text
         so far) or DELTA (only the new tokens and text); FINAL_ONLY (the end only).
     """
@@ -78,7 +132,8 @@ class SamplingParams:
               "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
               "skip_special_tokens", "include_stop_str_in_output",
               "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
-              "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "output_kind")
+              "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "output_kind",
+              "structured_outputs")
     # bad_words_token_ids: the engine tokenizes bad_words at the door (it has the tokenizer).
     __slots__ = (*FIELDS, "bad_words_token_ids")
 
@@ -92,7 +147,8 @@ class SamplingParams:
                  repetition_penalty: float = 1.0, prompt_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
                  bad_words: list[str] | None = None, truncate_prompt_tokens: int | None = None,
-                 output_kind: "RequestOutputKind | int" = 0, **unknown_kwargs):
+                 output_kind: "RequestOutputKind | int" = 0,
+                 structured_outputs: StructuredOutputsParams | None = None, **unknown_kwargs):
         if unknown_kwargs:
             raise TypeError(_unknown_kwargs_message(unknown_kwargs))
         self.n = n
@@ -119,6 +175,7 @@ class SamplingParams:
         self.bad_words = _as_list("bad_words", bad_words, str)
         self.truncate_prompt_tokens = truncate_prompt_tokens
         self.output_kind = RequestOutputKind(output_kind) if output_kind in set(RequestOutputKind) else output_kind
+        self.structured_outputs = structured_outputs
         self.bad_words_token_ids: list[list[int]] = []
         self._verify()
         if self.top_k == -1:
@@ -205,6 +262,9 @@ class SamplingParams:
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
                 raise ValueError(f"truncate_prompt_tokens must be >= 1 (keep the last k prompt tokens) "
                                  f"or -1 (the last max_model_len - 1), got {self.truncate_prompt_tokens}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams(json=... | regex=... | "
+                            f"choice=[...] | grammar=... | json_object=True), got {self.structured_outputs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
                              f"got {self.output_kind!r}")

@@ -61,6 +61,11 @@ class SchedulerOutput:
     preempted_req_ids: frozenset[str] = frozenset()
     finished_req_ids: frozenset[str] = frozenset()  # finished or aborted since the last step
     num_prefix_hit_tokens: Mapping[str, int] = field(default_factory=_frozen_mapping)  # admitted this step
+    # Structured outputs (set by the engine after scheduling, not by the scheduler): the
+    # requests that sample under a grammar this step, and row i of grammar_bitmask (an
+    # int32 tensor [rows, vocab/32]) says which ids request i may sample.
+    structured_output_request_ids: tuple[str, ...] = ()
+    grammar_bitmask: Any = None
 
     def __post_init__(self) -> None:
         # Accept plain dicts from callers but store read-only views.

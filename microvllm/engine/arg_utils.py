@@ -86,6 +86,8 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_cli(
         "cpu, cuda, or auto (cuda where torch.cuda.is_available())"))
     seed: int = field(default=0, metadata=_cli("seed of the shared sampling generator"))
+    structured_outputs_backend: str = field(default="auto", metadata=_cli(
+        "what compiles structured outputs: xgrammar, course (regex and choice), or auto"))
     max_logprobs: int = field(default=20, metadata=_cli(
         "the most logprobs (or prompt_logprobs) a request may ask for; -1: up to the vocabulary"))
     max_model_len: int | None = field(default=None, metadata=_cli(

@@ -24,6 +24,7 @@ a block (the scheduler's KV cache manager does).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -52,6 +53,7 @@ from microvllm.models.loader import load_config
 from microvllm.platforms import get_platform
 from microvllm.profiler import TorchProfiler
 from microvllm.sampling_params import SamplingParams
+from microvllm.structured_output import StructuredOutputManager
 from microvllm.worker.gpu_memory import num_gpu_blocks
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class ProcessedRequest:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    grammars: list | None = None   # structured outputs: one compiled matcher per sample
 
 
 class Engine:
@@ -106,6 +109,8 @@ class Engine:
                             max_model_len=config.max_model_len,
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_cache_manager)
+        self.structured_output_manager = StructuredOutputManager(
+            self.prompts.tokenizer, self.model_config.vocab_size, config.structured_outputs_backend)
         self.output_processor = OutputProcessor(
             self.prompts.tokenizer, component(config, "detokenizer", IncrementalDetokenizer))
         self.tracer = StepTracer(self.scheduler) if config.trace else None
@@ -168,7 +173,10 @@ class Engine:
             params = params.clone()   # the caller's object stays as it was
             params.bad_words_token_ids = self.prompts.bad_words_token_ids(params.bad_words)
         self._check_fits(name or request_id, token_ids)
-        return ProcessedRequest(request_id, text, token_ids, params)
+        grammars = None
+        if params.structured_outputs is not None:
+            grammars = self.structured_output_manager.compile(params, params.n)
+        return ProcessedRequest(request_id, text, token_ids, params, grammars)
 
     def tokenize_prompt(self, prompt, params: SamplingParams, *,
                         name: str | None = None) -> tuple[str | None, list[int]]:
@@ -203,6 +211,8 @@ class Engine:
         if self.tracer is not None:
             for child_id in child_ids:
                 self.tracer.add_prompt(child_id, text)
+        for child_id, grammar in zip(child_ids, request.grammars or ()):
+            self.structured_output_manager.add(child_id, grammar)
         now = time.monotonic()
         # Prompt logprobs need every prompt position computed, never read from the
         # prefix cache: a salt of the request's own makes every first lookup miss.
@@ -244,6 +254,7 @@ class Engine:
         if not child_ids:
             return None
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self._forget_finished_grammars()
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -257,7 +268,7 @@ class Engine:
         """Run one engine step; return a ``RequestOutput`` for every request that changed."""
         if self.fault_isolation is not None:
             self.fault_isolation.limit_admissions(self.scheduler)
-        plan = self.scheduler.schedule()
+        plan = self._with_grammar_bitmask(self.scheduler.schedule())
         traced = self.tracer.begin(plan) if self.tracer is not None else None
         try:
             runner_output = self.executor.execute_model(plan)
@@ -273,16 +284,58 @@ class Engine:
         core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids)
         if self.fault_isolation is not None:
             self.fault_isolation.passed(core.request_id for core in core_outputs)
+        core_outputs = self._advance_grammars(core_outputs)
         outputs, stopped = self.output_processor.process(core_outputs, runner_output.logprobs,
                                                          runner_output.prompt_logprobs)
         if stopped:  # stop strings, found by the detokenizer
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._forget_finished_grammars()
         if self.tracer is not None:
             self.tracer.record(plan, traced, core_outputs, stopped)
         if self.config.debug_invariants:
             self.check_invariants()
         self.num_steps += 1
         return outputs
+
+    # ------------------------------------------------- structured outputs
+    def _with_grammar_bitmask(self, plan):
+        """The plan, plus the token bitmask of the structured requests that sample a token
+        this step (their chunk reaches their last token); unchanged when there are none."""
+        manager = self.structured_output_manager
+        if not manager.grammars:
+            return plan
+        requests = self.scheduler.requests
+        rows = [rid for rid in plan.num_scheduled_tokens if rid in manager.grammars
+                and requests[rid].num_computed_tokens >= requests[rid].num_tokens]
+        if not rows:
+            return plan
+        return dataclasses.replace(plan, structured_output_request_ids=tuple(rows),
+                                   grammar_bitmask=manager.grammar_bitmask(rows))
+
+    def _advance_grammars(self, core_outputs) -> list:
+        """Each structured request's matcher takes its new tokens. A grammar that is
+        complete (it accepted EOS where it may end, with ``ignore_eos`` on so the
+        scheduler went on) finishes its request: "stop", as EOS would."""
+        manager = self.structured_output_manager
+        if not manager.grammars:
+            return core_outputs
+        result = []
+        for core in core_outputs:
+            if core.request_id in manager.grammars and core.new_token_ids:
+                if not manager.accept_tokens(core.request_id, list(core.new_token_ids)):
+                    # Only a sampler that ignored the mask gets here (it allows nothing else).
+                    logger.error("request %r sampled %s, which its grammar does not allow: the "
+                                 "sampler ignored the grammar bitmask", core.request_id, list(core.new_token_ids))
+                elif manager.is_terminated(core.request_id) and core.finish_reason is None:
+                    self.scheduler.finish_requests(core.request_id, RequestStatus.FINISHED_STOPPED)
+                    core = dataclasses.replace(core, finish_reason="stop")
+            result.append(core)
+        return result
+
+    def _forget_finished_grammars(self) -> None:
+        manager = self.structured_output_manager
+        for request_id in [r for r in manager.grammars if r not in self.scheduler.requests]:
+            manager.remove(request_id)
 
     def _isolate_fault(self, plan, error: Exception) -> list:
         """A step raised (its work is undone): fail the request it can be pinned on, or

@@ -27,6 +27,7 @@ from microvllm.attention.metadata import AttentionMetadata
 from microvllm.sample.logprobs import LogprobsLists, prompt_logprobs_of_chunk
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.sampler import Sampler
+from microvllm.structured_output.bitmask import apply_bitmask
 from microvllm.worker.block_table import BlockTable
 
 
@@ -182,6 +183,9 @@ class ModelRunner:
             return ModelRunnerOutput([], {}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         sampled_states = [states[i] for i in sampling]
+        if plan.grammar_bitmask is not None:   # structured outputs: forbidden ids -> -inf
+            row_of = {s.req_id: row for row, s in enumerate(sampled_states)}
+            apply_bitmask(logits, plan.grammar_bitmask, [row_of[r] for r in plan.structured_output_request_ids])
         sampling_metadata = SamplingMetadata.from_params(
             [s.sampling_params for s in sampled_states],
             [s.generator for s in sampled_states],

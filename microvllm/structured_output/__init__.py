@@ -1,0 +1,97 @@
+"""Structured outputs: constrain what a request may generate to a JSON schema, a regex,
+a grammar or a list of choices (vLLM: ``v1/structured_output/``).
+
+    SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+        at the door (Engine.process_request; the server runs it off the engine thread):
+            manager.compile(params) -> one grammar (matcher) per sample
+        each step (Engine.step):
+            plan = scheduler.schedule()
+            manager.grammar_bitmask(rows that sample a token) -> int32 [rows, vocab/32]
+            runner: logits of those rows masked (-inf where the bit is 0) before sampling
+            scheduler.update_from_output -> manager.accept_tokens(each new token)
+            a grammar that accepted EOS is terminated: its request is finished
+
+Files: ``backend_types.py`` the interface; ``backend_regex.py`` + ``regex_dfa.py`` the
+course's own backend (regex and choice); ``backend_xgrammar.py`` the production one
+(everything, what vLLM uses); ``bitmask.py`` the mask both fill.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from microvllm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
+                                                       StructuredOutputOptions)
+from microvllm.structured_output.bitmask import allocate_bitmask
+
+logger = logging.getLogger(__name__)
+BACKENDS = ("auto", "xgrammar", "course")
+
+
+class StructuredOutputManager:
+    """One engine's backend and its requests' grammars (by the scheduler's request id)."""
+
+    def __init__(self, tokenizer, vocab_size: int, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend={backend!r}: choose one of {BACKENDS}")
+        self.tokenizer, self.vocab_size, self.backend_name = tokenizer, vocab_size, backend
+        self._backends: dict[str, StructuredOutputBackend] = {}
+        self.grammars: dict[str, StructuredOutputGrammar] = {}
+
+    def _backend(self, kind: StructuredOutputOptions) -> StructuredOutputBackend:
+        name = self.backend_name
+        if name == "auto":   # xgrammar where installed (vLLM's default), else the course's
+            name = "xgrammar" if _xgrammar_installed() else "course"
+        if name not in self._backends:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer, and this model folder has none")
+            if name == "xgrammar":
+                from microvllm.structured_output.backend_xgrammar import XgrammarBackend
+                self._backends[name] = XgrammarBackend(self.tokenizer, self.vocab_size)
+            else:
+                from microvllm.structured_output.backend_regex import RegexBackend
+                self._backends[name] = RegexBackend(self.tokenizer, self.vocab_size)
+        return self._backends[name]
+
+    def compile(self, params, n: int) -> list[StructuredOutputGrammar]:
+        """One grammar per sample for ``params.structured_outputs``; ``ValueError`` (naming
+        the field) for a spec that does not compile. Slow for big schemas: call it off
+        the engine thread."""
+        structured = params.structured_outputs
+        kind = StructuredOutputOptions(structured.kind)
+        backend = self._backend(kind)
+        try:
+            return [backend.compile_grammar(kind, structured.spec) for _ in range(n)]
+        except ValueError as error:
+            message = str(error)
+            if not message.startswith("structured_outputs"):
+                message = f"structured_outputs.{structured.kind} cannot be compiled: {message}"
+            raise ValueError(message) from None
+
+    def add(self, request_id: str, grammar: StructuredOutputGrammar) -> None:
+        self.grammars[request_id] = grammar
+
+    def remove(self, request_id: str) -> None:
+        self.grammars.pop(request_id, None)
+
+    def grammar_bitmask(self, request_ids: list[str]) -> torch.Tensor:
+        """``[len(request_ids), words]``: row i says what request i may sample next."""
+        bitmask = allocate_bitmask(len(request_ids), self.vocab_size)
+        for row, request_id in enumerate(request_ids):
+            self.grammars[request_id].fill_bitmask(bitmask, row)
+        return bitmask
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance a request's grammar; False if a token breaks it (then nothing changed)."""
+        return self.grammars[request_id].accept_tokens(request_id, token_ids)
+
+    def is_terminated(self, request_id: str) -> bool:
+        return self.grammars[request_id].is_terminated()
+
+
+def _xgrammar_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xgrammar") is not None
