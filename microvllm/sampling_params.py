@@ -47,15 +47,19 @@ class StructuredOutputsParams:
     choice: the output is exactly one of these strings.
     grammar: an EBNF grammar (xgrammar's GBNF dialect).
     json_object: True: the output is some JSON object.
+    disable_any_whitespace: JSON without free whitespace between tokens (one compact
+        layout; keeps a weak model from wandering in spaces and newlines).
     """
 
-    __slots__ = ("json", "regex", "choice", "grammar", "json_object")
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    __slots__ = (*KINDS, "disable_any_whitespace")
 
     def __init__(self, json: dict | str | None = None, regex: str | None = None,
                  choice: list[str] | None = None, grammar: str | None = None,
-                 json_object: bool | None = None):
+                 json_object: bool | None = None, disable_any_whitespace: bool = False):
         self.json, self.regex, self.choice, self.grammar, self.json_object = json, regex, choice, grammar, json_object
-        given = [name for name in self.__slots__ if getattr(self, name) not in (None, False)]
+        self.disable_any_whitespace = bool(disable_any_whitespace)
+        given = [name for name in self.KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
                              f"json_object; got {given or 'none'}")
@@ -73,7 +77,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which one was given: "json", "regex", "choice", "grammar" or "json_object"."""
-        return next(name for name in self.__slots__ if getattr(self, name) not in (None, False))
+        return next(name for name in self.KINDS if getattr(self, name) not in (None, False))
 
     @property
     def spec(self) -> str:

@@ -63,7 +63,9 @@ class StructuredOutputManager:
         kind = StructuredOutputOptions(structured.kind)
         backend = self._backend(kind)
         try:
-            return [backend.compile_grammar(kind, structured.spec) for _ in range(n)]
+            return [backend.compile_grammar(kind, structured.spec,
+                                            any_whitespace=not structured.disable_any_whitespace)
+                    for _ in range(n)]
         except ValueError as error:
             message = str(error)
             if not message.startswith("structured_outputs"):

@@ -142,7 +142,8 @@ class RegexBackend(StructuredOutputBackend):
         self.vocabulary = TokenVocabulary(tokenizer, vocab_size)
         self._compiled: dict[str, tuple[RegexDFA, dict]] = {}
 
-    def compile_grammar(self, kind: StructuredOutputOptions, spec: str) -> RegexGrammar:
+    def compile_grammar(self, kind: StructuredOutputOptions, spec: str, *,
+                        any_whitespace: bool = True) -> RegexGrammar:
         if kind == StructuredOutputOptions.CHOICE:
             spec = choice_regex(spec)
         elif kind != StructuredOutputOptions.REGEX:

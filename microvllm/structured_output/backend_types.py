@@ -52,5 +52,7 @@ class StructuredOutputBackend(ABC):
     name: str
 
     @abstractmethod
-    def compile_grammar(self, kind: StructuredOutputOptions, spec: str) -> StructuredOutputGrammar:
-        """Compile ``spec``; raises ``ValueError`` saying what is wrong with it."""
+    def compile_grammar(self, kind: StructuredOutputOptions, spec: str, *,
+                        any_whitespace: bool = True) -> StructuredOutputGrammar:
+        """Compile ``spec``; raises ``ValueError`` saying what is wrong with it.
+        ``any_whitespace=False``: JSON in one compact layout."""

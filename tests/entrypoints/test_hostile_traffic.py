@@ -147,13 +147,26 @@ def test_a_value_the_engine_cannot_honour_is_a_400_naming_it(http, path, body, f
 
 
 # ------------------------------------------------- item 2: nothing ignored
+TOOLS = [{"type": "function", "function": {"name": "multiply", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}]
 REFUSED = [
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"prompt": "hi", "guided_regex": "a+"}, "guided_regex"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS}, "tool_choice='auto'"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "auto"}, "tool_choice='auto'"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "needs tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS,
+                              "tool_choice": {"type": "function", "function": {"name": "divide"}}}, "divide"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": {"regex": "a+", "choice": ["a"]}},
+     "exactly one"),
+    ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": {"regexp": "a+"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": {"type": "object", "properties": 5}}},
+     "structured_outputs.json"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]}, "one constraint"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),

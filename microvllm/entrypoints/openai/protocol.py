@@ -23,23 +23,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from microvllm.sampling_params import SamplingParams
+from microvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-_NEEDS_STRUCTURED_OUTPUTS = ("needs structured outputs (constrained decoding), which microvllm "
-                             "does not implement yet: remove it")
 # Fields of the OpenAI API or of vLLM's server that name a feature microvllm lacks.
 REFUSED = {
-    "tools": "tool calling " + _NEEDS_STRUCTURED_OUTPUTS,
-    "tool_choice": "tool calling " + _NEEDS_STRUCTURED_OUTPUTS,
-    "functions": "function calling " + _NEEDS_STRUCTURED_OUTPUTS,
-    "function_call": "function calling " + _NEEDS_STRUCTURED_OUTPUTS,
-    "response_format": "a response format other than text " + _NEEDS_STRUCTURED_OUTPUTS,
-    "structured_outputs": _NEEDS_STRUCTURED_OUTPUTS,
-    "guided_json": _NEEDS_STRUCTURED_OUTPUTS,
-    "guided_regex": _NEEDS_STRUCTURED_OUTPUTS,
-    "guided_choice": _NEEDS_STRUCTURED_OUTPUTS,
-    "guided_grammar": _NEEDS_STRUCTURED_OUTPUTS,
-    "guided_decoding_backend": _NEEDS_STRUCTURED_OUTPUTS,
+    "functions": "(OpenAI's deprecated function calling) is not supported: use tools",
+    "function_call": "(OpenAI's deprecated function calling) is not supported: use tool_choice",
     "suffix": "is not supported (fill-in-the-middle prompts; vLLM refuses it too): remove it",
     "best_of": "(generate several, return the best) is not implemented: use n, or remove it",
     "logits_processors": "(code in a request) is not accepted: remove it",
@@ -47,6 +36,9 @@ REFUSED = {
     "audio": "audio output is not supported: remove it",
     "prediction": "predicted outputs are not supported: remove it",
 }
+# vLLM's older names for structured outputs, still sent by older clients.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 # Values of refused fields that mean "off": a client that sends them asks for nothing.
 _OFF_VALUES = (None, [], {}, "none", "auto", {"type": "text"})
 
@@ -85,6 +77,11 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -96,6 +93,26 @@ class _SamplingFields(BaseModel):
             if name in REFUSED and not _is_off(value):
                 raise ValueError(f"{name} {REFUSED[name]}")
         return sorted(name for name in extra if name not in REFUSED)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """What the output must match: ``structured_outputs``, vLLM's older ``guided_*``
+        fields, or (chat) ``response_format`` and a required tool call; at most one."""
+        given = {}
+        if self.structured_outputs is not None:
+            try:
+                given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as error:
+                raise ValueError(f"structured_outputs: {error}") from None
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                given[name] = StructuredOutputsParams(**{kind: getattr(self, name)})
+        given.update(self._more_structured_outputs())
+        if len(given) > 1:
+            raise ValueError(f"{sorted(given)[0]}: give one constraint, not {len(given)}: {', '.join(sorted(given))}")
+        return next(iter(given.values()), None)
+
+    def _more_structured_outputs(self) -> dict[str, StructuredOutputsParams]:
+        return {}
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         values: dict[str, Any] = dict(
@@ -110,6 +127,7 @@ class _SamplingFields(BaseModel):
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self.structured_outputs_params(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
         return SamplingParams(**values)
@@ -179,6 +197,68 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    def _more_structured_outputs(self) -> dict[str, StructuredOutputsParams]:
+        given = {}
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            given["response_format"] = StructuredOutputsParams(json_object=True)
+        elif kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format: json_schema needs {'json_schema': {'name': ..., "
+                                 "'schema': {...}}}")
+            given["response_format"] = StructuredOutputsParams(json=schema)
+        elif kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+        schema = self.tool_call_schema()
+        if schema is not None:
+            given["tool_choice"] = StructuredOutputsParams(json=schema)
+        return given
+
+    def called_function(self) -> str | None:
+        """The function ``tool_choice`` names (``{"type": "function", "function": {"name": ...}}``)."""
+        if isinstance(self.tool_choice, dict):
+            name = (self.tool_choice.get("function") or {}).get("name")
+            if not isinstance(name, str):
+                raise ValueError("tool_choice must name a function: {'type': 'function', 'function': {'name': ...}}")
+            return name
+        return None
+
+    def tool_call_schema(self) -> dict | None:
+        """The JSON schema the output must follow when a tool call is required (vLLM's way:
+        structured outputs): a named function's parameters, or for ``"required"`` a list
+        of ``{"name", "parameters"}`` objects, one of the tools each. None otherwise;
+        ``"auto"`` with tools is refused (it needs a parser for the model's own format)."""
+        tools = self.tools or []
+        if self.tool_choice in (None, "none", "auto") and not tools:
+            return None
+        if self.tool_choice == "none":
+            return None
+        functions = {}
+        for index, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                 "'parameters': {...}}}}")
+            functions[function["name"]] = function.get("parameters") or {"type": "object"}
+        if not functions:
+            raise ValueError(f"tool_choice={self.tool_choice!r} needs tools: list the functions in tools")
+        if self.tool_choice in (None, "auto"):
+            raise ValueError("tool_choice='auto' (the default with tools) needs a parser for this model's own "
+                             "tool-call format, which microvllm does not have: use tool_choice='required' or "
+                             "name a function (the output is then constrained to the tools' JSON schemas)")
+        name = self.called_function()
+        if name is not None:
+            if name not in functions:
+                raise ValueError(f"tool_choice names {name!r}, which is not in tools ({', '.join(functions)})")
+            return functions[name]
+        if self.tool_choice != "required":
+            raise ValueError(f"tool_choice={self.tool_choice!r} is not none, auto, required or a named function")
+        return {"type": "array", "minItems": 1,
+                "items": {"anyOf": [{"type": "object", "properties": {
+                    "name": {"type": "string", "enum": [name]}, "parameters": parameters},
+                    "required": ["name", "parameters"]} for name, parameters in functions.items()]}}
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

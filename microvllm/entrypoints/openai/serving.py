@@ -189,11 +189,14 @@ class OpenAIServing:
             raise ValueError("this model has no tokenizer, so chat messages cannot be rendered")
         messages = parse_chat_messages([m.model_dump(exclude_none=True) for m in request.messages])
         chat_template = request.chat_template or self.chat_template
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools and request.tool_choice != "none":
+            template_kwargs.setdefault("tools", request.tools)   # templates that know tools list them
         try:
             return tokenizer.chat_prompt(
                 messages, request.add_generation_prompt, chat_template=chat_template,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=template_kwargs)
         except jinja2.TemplateSyntaxError as error:
             raise ValueError(f"chat_template is not a valid Jinja template (line {error.lineno}: "
                              f"{error.message}): fix or remove chat_template") from None
@@ -215,10 +218,15 @@ class OpenAIServing:
         async for _, out in results:
             pass
         _raise_if_aborted([out])
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c, 0, params.logprobs) if params.logprobs is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            tool_calls = _tool_calls(request, c)
+            if tool_calls is not None:
+                message, finish_reason = {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": _chat_logprobs(c, 0, params.logprobs) if params.logprobs is not None else None,
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                     "model": self.model_name, "choices": choices,
                     "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
@@ -234,6 +242,7 @@ class OpenAIServing:
                                         "logprobs": None, "finish_reason": None} for i in range(n)]})
         sent: dict[int, int] = {}
         out = first[1]
+        calls_tools = request.tool_call_schema() is not None
         try:
             async for _, out in _chain_async(first, results):
                 choices = []
@@ -242,6 +251,10 @@ class OpenAIServing:
                     if len(c.token_ids) == start and c.finish_reason is None:
                         continue
                     sent[c.index] = len(c.token_ids)
+                    if calls_tools:   # the calls are sent whole, once the JSON is complete
+                        if c.finish_reason is not None:
+                            choices.append(_tool_call_chunk(request, c))
+                        continue
                     choices.append({"index": c.index, "delta": {"content": c.delta_text},
                                     "logprobs": _chat_logprobs(c, start, top_n) if top_n is not None else None,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -257,6 +270,32 @@ class OpenAIServing:
 
 
 # ------------------------------------------------------------------ helpers
+def _tool_calls(request: ChatCompletionRequest, c: CompletionOutput) -> list[dict] | None:
+    """The tool calls in a choice whose output was constrained to the tools' schema
+    (``tool_choice`` required or named); None if there was none or the JSON is cut short
+    (``finish_reason="length"``: then the text is returned as content)."""
+    if request.tool_call_schema() is None:
+        return None
+    try:
+        value = json.loads(c.text)
+    except json.JSONDecodeError:
+        return None
+    name = request.called_function()
+    calls = [{"name": name, "parameters": value}] if name is not None else value
+    return [{"id": random_id("call"), "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["parameters"])}}
+            for call in calls]
+
+
+def _tool_call_chunk(request: ChatCompletionRequest, c: CompletionOutput) -> dict:
+    tool_calls = _tool_calls(request, c)
+    if tool_calls is None:
+        return {"index": c.index, "delta": {"content": c.text}, "logprobs": None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    return {"index": c.index, "delta": {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]},
+            "logprobs": None, "finish_reason": "tool_calls", "stop_reason": c.stop_reason}
+
+
 class ServerShuttingDown(RuntimeError):
     """A non-streamed request the server aborted because it is shutting down."""
 
