@@ -29,7 +29,7 @@ LAYERS = [
      "distributed", "profiler"},
     {"attention", "layers"},
     {"config"},
-    {"models", "sample"},
+    {"models", "sample", "structured_output"},
     {"platforms"},
     {"worker"},
     {"executor"},
