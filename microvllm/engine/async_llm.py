@@ -7,8 +7,10 @@ through one asyncio queue per request::
     asyncio event loop (server)                 engine-core thread (the only Engine user)
     ───────────────────────────                 ─────────────────────────────────────────
     generate(prompt, params, id)
-      ── ("add", request, future) ──────────>   engine.process_request / add_processed_request
-      <── future: accepted or ValueError ─────
+      engine.process_request on a worker thread: every check, the tokenizer, the grammar
+      compiler (slow work that would stall every stream if the engine thread did it)
+      ── ("add", processed, future) ────────>   engine.add_processed_request
+      <── future: accepted ───────────────────
       await queue.get()        <── RequestOutput (a snapshot) ──  engine.step() while unfinished
       ...                                        (sleeps on the command queue when idle)
     client gone: generate is cancelled
@@ -109,8 +111,6 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or failed)")
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        if isinstance(prompt, str) or isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
-            prompt = await self.process_prompt(prompt, sampling_params)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
@@ -121,8 +121,10 @@ class AsyncLLM:
         finished = False
         kind = sampling_params.output_kind if sampling_params is not None else RequestOutputKind.CUMULATIVE
         try:
-            self._commands.put(("add", (request_id, prompt, sampling_params), accepted))
-            await asyncio.wrap_future(accepted)  # re-raises the engine's ValueError
+            # Every check, tokenizing and compiling a grammar: off the engine's thread.
+            processed = await asyncio.to_thread(self.engine.process_request, request_id, prompt, sampling_params)
+            self._commands.put(("add", processed, accepted))
+            await asyncio.wrap_future(accepted)
             while True:
                 out = await outputs.get()
                 if isinstance(out, BaseException):
@@ -206,10 +208,9 @@ class AsyncLLM:
         while True:
             kind, payload, future = command
             if kind == "add":
-                request_id, prompt, params = payload
                 try:
-                    self.engine.add_processed_request(self.engine.process_request(request_id, prompt, params))
-                    self.metrics.on_arrival(request_id, time.monotonic())
+                    self.engine.add_processed_request(payload)
+                    self.metrics.on_arrival(payload.request_id, time.monotonic())
                     future.set_result(None)
                 except Exception as error:  # a bad request: the caller gets the message
                     future.set_exception(error)
