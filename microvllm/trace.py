@@ -94,6 +94,9 @@ class StepTrace:
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
     allocated_blocks: list[int] = field(default_factory=list)
     freed_blocks: list[int] = field(default_factory=list)
+    # Structured outputs: the fraction of the vocabulary each constrained request was
+    # allowed to sample this step (its grammar's token mask), by request id.
+    allowed_fraction: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:

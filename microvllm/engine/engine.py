@@ -113,7 +113,7 @@ class Engine:
             self.prompts.tokenizer, self.model_config.vocab_size, config.structured_outputs_backend)
         self.output_processor = OutputProcessor(
             self.prompts.tokenizer, component(config, "detokenizer", IncrementalDetokenizer))
-        self.tracer = StepTracer(self.scheduler) if config.trace else None
+        self.tracer = StepTracer(self.scheduler, self.model_config.vocab_size) if config.trace else None
         # Serving (AsyncLLM) sets a FaultIsolation here: a step's exception then fails
         # only the request at fault. Offline (None) it is raised, as vLLM's LLM does.
         self.fault_isolation: FaultIsolation | None = None

@@ -27,8 +27,9 @@ Tables = dict[str, list[list[int]]]          # request id -> one block-id list p
 
 
 class StepTracer:
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, vocab_size: int | None = None):
         self.scheduler = scheduler
+        self.vocab_size = vocab_size   # for the share of the vocabulary a grammar mask allows
         manager = scheduler.kv_cache_manager
         pool = manager.block_pool
         windows = [s.sliding_window for s in manager.kv_cache_groups if isinstance(s, SlidingWindowSpec)]
@@ -102,7 +103,8 @@ class StepTracer:
                           for b in pool.blocks],
             free=[b.ref_cnt == 0 and not b.is_null for b in pool.blocks],
             num_free_blocks=pool.get_num_free_blocks(),
-            new_tokens=new_tokens, allocated_blocks=allocated, freed_blocks=freed))
+            new_tokens=new_tokens, allocated_blocks=allocated, freed_blocks=freed,
+            allowed_fraction=allowed_fractions(plan, self.vocab_size)))
 
 
 def pool_changes(before: tuple[Tables, list[int]], after_schedule: tuple[Tables, list[int]],
@@ -129,3 +131,17 @@ def pool_changes(before: tuple[Tables, list[int]], after_schedule: tuple[Tables,
     allocated = {e[3] for e in mid - old if ref_before[e[3]] == 0 or e[3] in freed}
     freed |= {b for b, (n_mid, n_end) in enumerate(zip(ref_mid, ref_cnts_at_end)) if n_mid > 0 and n_end == 0}
     return sorted(allocated), sorted(freed)
+
+
+def allowed_fraction_of(bitmask, vocab_size: int) -> list[float]:
+    """Per row of a grammar bitmask: the fraction of the vocabulary it allows."""
+    from microvllm.structured_output.bitmask import unpack
+
+    return [round(float(row.float().mean()), 6) for row in unpack(bitmask, vocab_size)]
+
+
+def allowed_fractions(plan, vocab_size: int | None) -> dict[str, float]:
+    if plan.grammar_bitmask is None:
+        return {}
+    vocab = vocab_size or plan.grammar_bitmask.shape[-1] * 32
+    return dict(zip(plan.structured_output_request_ids, allowed_fraction_of(plan.grammar_bitmask, vocab)))

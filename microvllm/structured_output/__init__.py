@@ -19,6 +19,7 @@ course's own backend (regex and choice); ``backend_xgrammar.py`` the production 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -39,6 +40,10 @@ class StructuredOutputManager:
         self.tokenizer, self.vocab_size, self.backend_name = tokenizer, vocab_size, backend
         self._backends: dict[str, StructuredOutputBackend] = {}
         self.grammars: dict[str, StructuredOutputGrammar] = {}
+        # What building the masks costs: seconds in grammar_bitmask, and how many steps.
+        self.mask_seconds_total = 0.0
+        self.num_mask_steps = 0
+        self.last_mask_seconds = 0.0
 
     def _backend(self, kind: StructuredOutputOptions) -> StructuredOutputBackend:
         name = self.backend_name
@@ -80,9 +85,13 @@ class StructuredOutputManager:
 
     def grammar_bitmask(self, request_ids: list[str]) -> torch.Tensor:
         """``[len(request_ids), words]``: row i says what request i may sample next."""
+        start = time.perf_counter()
         bitmask = allocate_bitmask(len(request_ids), self.vocab_size)
         for row, request_id in enumerate(request_ids):
             self.grammars[request_id].fill_bitmask(bitmask, row)
+        self.last_mask_seconds = time.perf_counter() - start
+        self.mask_seconds_total += self.last_mask_seconds
+        self.num_mask_steps += 1
         return bitmask
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:

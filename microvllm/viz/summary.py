@@ -27,6 +27,9 @@ def describe_step(trace: Trace, step: int) -> list[str]:
                      + ": blocks freed, full ones stay cached.")
     if s.waiting:
         lines.append("Waiting: " + ", ".join(s.waiting[:12]) + (" …" if len(s.waiting) > 12 else "") + ".")
+    if s.allowed_fraction:
+        lines.append("Grammar masks: " + ", ".join(f"{rid} may sample {fraction:.1%} of the vocabulary"
+                                                   for rid, fraction in s.allowed_fraction.items()) + ".")
     if s.allocated_blocks:
         lines.append(f"Allocated: block(s) {_ids(s.allocated_blocks)}.")
     if s.freed_blocks:

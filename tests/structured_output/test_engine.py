@@ -222,3 +222,16 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(choice=[])
     with pytest.raises(TypeError, match="StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_the_trace_records_what_each_mask_allowed(folders):
+    llm = LLM(folders["llama"], structured_outputs_backend="course", trace=True, **SETTINGS)
+    out = llm.generate(["x", "y"], [regex_params("[a-c]{2}x", temperature=0), SamplingParams(max_tokens=3)],
+                       use_tqdm=False)
+    steps = [s for s in llm.trace.steps if s.allowed_fraction]
+    assert len(steps) == len(out[0].outputs[0].token_ids)   # one mask per sampled token
+    assert all(set(s.allowed_fraction) == {"0"} and 0 < s.allowed_fraction["0"] < 0.5 for s in steps)
+    from microvllm.viz.summary import describe_step
+    assert any("may sample" in line for line in describe_step(llm.trace, llm.trace.steps.index(steps[0])))
+    manager = llm.engine.structured_output_manager
+    assert manager.num_mask_steps == len(steps) and manager.mask_seconds_total > 0
