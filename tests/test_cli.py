@@ -104,3 +104,12 @@ def test_bench_serve_takes_vllms_dataset_spellings():
     assert (args.dataset_name, args.input_len, args.output_len, args.num_prompts) == ("random", 7, 3, 5)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--dataset-name", "sharegpt"])
+
+
+def test_bench_structured_runs_on_a_tiny_model(capsys, tiny_llama):
+    from microvllm.bench.structured import main as bench_main
+
+    assert bench_main(["--model", str(tiny_llama), "--batch-sizes", "1", "2", "--max-tokens", "8",
+                       "--backend", "xgrammar"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["batch", "plain", "tok/s"] and len(lines) == 3

@@ -48,11 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trace", metavar="OUT.json", default=None, help="record the step trace to a file")
     EngineArgs.add_cli_args(gen.add_argument_group("engine arguments"))
 
-    bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench serve | bench attention | bench gpu")
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,serve,attention,gpu}")
+    bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench serve | bench structured | "
+                                         "bench attention | bench gpu")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,serve,structured,attention,gpu}")
     # Listed here for the help; main() hands the line to their own parsers.
     for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
                        ("serve", "load a running server: Poisson arrivals, TTFT / TPOT / ITL"),
+                       ("structured", "tokens/s with and without a JSON schema, and the grammar mask's cost"),
                        ("attention", "attention kernels (needs a CUDA GPU)"),
                        ("gpu", "the engine on a CUDA GPU: tokens vs the CPU, kernels, speed")):
         one = which.add_parser(name, help=text, add_help=False)
@@ -73,13 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         from microvllm.course.build import main as course_main
         return course_main(argv[1:])
     parser = build_parser()
-    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["attention"], ["gpu"]):
+    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["attention"], ["gpu"]):
         if argv[1] == "throughput":
             from microvllm.bench.throughput import main as bench_main
         elif argv[1] == "serve":
             from microvllm.bench.serve import main as bench_main
         elif argv[1] == "gpu":
             from microvllm.bench.gpu import main as bench_main
+        elif argv[1] == "structured":
+            from microvllm.bench.structured import main as bench_main
         else:
             from microvllm.bench.attention import main as bench_main
         return _without_traceback(parser, bench_main, argv[2:])
