@@ -440,3 +440,23 @@ def test_a_fatal_error_marks_the_engine_dead_and_calls_for_exit(folder):
             assert health.status_code == 503 and "worker 1 died" in health.text
     finally:
         srv.stop()
+
+
+def test_an_unexpected_exception_is_a_json_500_and_the_connection_lives_on(engine, server, monkeypatch):
+    """A bug on the server's side (here: the tokenizer step raising KeyError for one
+    prompt) must answer 500 with OpenAI's shape, and the keep-alive connection must serve
+    the next requests (Starlette's own handler re-raises, and uvicorn then drops it)."""
+    real = engine.process_prompt
+
+    async def exploding(prompt, params=None):
+        if prompt == "explode":
+            raise KeyError("a bug")
+        return await real(prompt, params)
+
+    monkeypatch.setattr(engine, "process_prompt", exploding)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(3):
+            response = client.post("/v1/completions", json={"prompt": "explode", "max_tokens": 2})
+            assert response.status_code == 500
+            assert response.json()["error"]["type"] == "InternalServerError"
+            assert client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2}).status_code == 200
