@@ -176,24 +176,18 @@ class OutputProcessor:
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """End a request that failed inside a step: its unfinished samples get
         ``finish_reason="error"``, and the output carries ``message`` in ``error``."""
-        parent = self.parents.get(request_id)
-        if parent is None:
-            return None
-        for child in parent.children:
-            if child.completion.finish_reason is None:
-                child.completion.finish_reason = "error"
-        self._drop(parent)
-        output = parent.to_output()
-        output.error = message
+        output = self.abort(request_id, finish_reason="error")
+        if output is not None:
+            output.error = message
         return output
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, finish_reason: str = "abort") -> RequestOutput | None:
         parent = self.parents.get(request_id)
         if parent is None:
             return None
         for child in parent.children:
             if child.completion.finish_reason is None:
-                child.completion.finish_reason = "abort"
+                child.completion.finish_reason = finish_reason
         self._drop(parent)
         return parent.to_output()
 

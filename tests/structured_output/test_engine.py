@@ -29,14 +29,6 @@ SETTINGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
 TIGHT = dict(max_model_len=128, block_size=4, num_kv_blocks=13, max_num_batched_tokens=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("structured")

@@ -149,11 +149,12 @@ class OpenAIServing:
                 "model": self.model_name, "choices": choices,
                 "usage": _usage(prompt_tokens, completion_tokens)}
 
-    async def _completion_events(self, request, request_id, first, results, n) -> AsyncIterator[str]:
+    def _completion_events(self, request, request_id, first, results, n) -> AsyncIterator[str]:
         created, prompt_tokens, completion_tokens = int(time.time()), {}, {}
         sent: dict[tuple[int, int], int] = {}   # (prompt, sample) -> tokens already sent
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        try:
+
+        async def chunks():
             async for index, out in _chain_async(first, results):
                 prompt_tokens[index] = len(out.prompt_token_ids)
                 choices = []
@@ -172,14 +173,10 @@ class OpenAIServing:
                     choices.append({"index": index * n + c.index, "text": text, "logprobs": logprobs,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
-                    yield sse({**head, "choices": choices, "usage": None})
-        except (RequestFailedError, EngineDeadError) as error:
-            yield sse(error_event(error))
-        else:
-            if request.stream_options is not None and request.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(sum(prompt_tokens.values()),
-                                                                  sum(completion_tokens.values()))})
-        yield sse("[DONE]")
+                    yield {**head, "choices": choices, "usage": None}
+
+        return _sse_stream(chunks(), head, request.stream_options,
+                           lambda: _usage(sum(prompt_tokens.values()), sum(completion_tokens.values())))
 
     # -------------------------------------------------------------- chat
     def render_chat(self, request: ChatCompletionRequest) -> dict:
@@ -234,17 +231,18 @@ class OpenAIServing:
             response["prompt_logprobs"] = _prompt_logprobs(out)
         return response
 
-    async def _chat_events(self, request, request_id, first, results, top_n) -> AsyncIterator[str]:
+    def _chat_events(self, request, request_id, first, results, top_n) -> AsyncIterator[str]:
         created = int(time.time())
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        n = request.n
-        yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None} for i in range(n)]})
-        sent: dict[int, int] = {}
-        out = first[1]
+        last = {"out": first[1]}
         calls_tools = request.tool_call_schema() is not None
-        try:
+
+        async def chunks():
+            yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None} for i in range(request.n)]}
+            sent: dict[int, int] = {}
             async for _, out in _chain_async(first, results):
+                last["out"] = out
                 choices = []
                 for c in out.outputs:
                     start = sent.get(c.index, 0)
@@ -259,17 +257,30 @@ class OpenAIServing:
                                     "logprobs": _chat_logprobs(c, start, top_n) if top_n is not None else None,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
-                    yield sse({**head, "choices": choices, "usage": None})
-        except (RequestFailedError, EngineDeadError) as error:
-            yield sse(error_event(error))
-        else:
-            if request.stream_options is not None and request.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(
-                    len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))})
-        yield sse("[DONE]")
+                    yield {**head, "choices": choices, "usage": None}
+
+        def usage() -> dict:
+            out = last["out"]
+            return _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+
+        return _sse_stream(chunks(), head, request.stream_options, usage)
 
 
 # ------------------------------------------------------------------ helpers
+async def _sse_stream(chunks: AsyncIterator[dict], head: dict, stream_options, usage) -> AsyncIterator[str]:
+    """Server-sent events: each chunk; then the usage chunk if asked for; a stream that
+    fails midway ends with an error event instead; always ``data: [DONE]`` last."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except (RequestFailedError, EngineDeadError) as error:
+        yield sse(error_event(error))
+    else:
+        if stream_options is not None and stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": usage()})
+    yield sse("[DONE]")
+
+
 def _tool_calls(request: ChatCompletionRequest, c: CompletionOutput) -> list[dict] | None:
     """The tool calls in a choice whose output was constrained to the tools' schema
     (``tool_choice`` required or named); None if there was none or the JSON is cut short
