@@ -77,7 +77,33 @@ def test_every_decode_step_matches_the_modules_bit_for_bit(tmp_path, arch, dtype
     assert generate(llm, prompts) == with_fast_path
     eager = make_llm(folder, dtype, enforce_eager=True)
     assert the_runner(eager).decode_step_runner is None
-    assert generate(eager, prompts) == with_fast_path
+    if dtype == "float32":
+        assert generate(eager, prompts) == with_fast_path
+    else:
+        # bfloat16: the eager path's torch matmuls and the packed kernels both round to
+        # bfloat16, but in another order (oneDNN's AMX blocking is not ours), so a near-tie
+        # may go either way. Teacher-forced instead: every token the fast path chose is,
+        # under the eager model, within bfloat16's rounding of the most likely one.
+        assert_each_token_is_eagers_choice_up_to_rounding(eager, prompts, with_fast_path)
+
+
+BF16_LOGPROB_SLACK = 0.1   # logits of magnitude ~10 carry ~0.04 of bfloat16 rounding each
+
+
+def assert_each_token_is_eagers_choice_up_to_rounding(eager, prompts, generations):
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    outs = eager.generate([{"prompt_token_ids": p + g} for p, g in zip(prompts, generations)], params,
+                          use_tqdm=False)
+    exact = 0
+    for prompt, tokens, out in zip(prompts, generations, outs):
+        for position, token in enumerate(tokens, start=len(prompt)):
+            row = out.prompt_logprobs[position]
+            best = max(lp.logprob for lp in row.values())
+            gap = best - row[token].logprob
+            assert gap <= BF16_LOGPROB_SLACK, (position, token, gap, row)
+            exact += row[token].rank == 1
+    # Near-ties are rare: nearly every token is exactly the eager model's argmax.
+    assert exact >= 0.9 * sum(len(t) for t in generations)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
