@@ -171,6 +171,7 @@ COMPONENTS = {
     "model_runner": "ModelRunner (worker/worker.py)",
     "block_table": "BlockTable, the runner's persistent block tables (worker/model_runner.py)",
     "sampler": "Sampler (worker/model_runner.py)",
+    "token_trie": "TokenTrie, the course backend's token masks for structured outputs (structured_output/)",
 }
 
 

@@ -19,6 +19,7 @@ cache manager, every step's decisions (see ``engine_run.py``).
     06 decode kernel      check_decode_kernel
     07 sampler            check_sampler
     07 model runner       check_slot_mapping, check_prepare_inputs
+    15 token mask         check_token_trie
 """
 
 from microvllm.checks.attention import check_decode_kernel
@@ -32,10 +33,11 @@ from microvllm.checks.report import CheckFailure, CheckResult
 from microvllm.checks.sampler import check_sampler
 from microvllm.checks.scheduler import check_scheduler
 from microvllm.checks.slot_mapping import check_slot_mapping
+from microvllm.checks.structured_output import check_token_trie
 
 __all__ = [
     "CheckFailure", "CheckResult", "check_block_pool", "check_decode_kernel", "check_detokenizer",
     "check_find_stop_string", "check_free_block_queue", "check_get_computed_blocks",
     "check_hash_block_tokens", "check_prepare_inputs", "check_sampler", "check_scheduler",
-    "check_slot_mapping", "run_engine_with",
+    "check_slot_mapping", "check_token_trie", "run_engine_with",
 ]

@@ -15,6 +15,8 @@ with the engine's own (the reference), same settings, same seeds — and prints 
                            blocks, preemption
     sampler, model_runner  greedy rows and seeded random rows with   the tokens (a seeded request draws the
                            temperature, top-k, top-p, min-p          same tokens from the same logits)
+    token_trie             5 prompts, each under a regex (the        the tokens, and each text matches its
+                           course backend), greedy and seeded        regex (or can still, if cut by max_tokens)
     anything else          4 prompts, greedy                         the tokens (and the text: detokenizer)
 
 Every run also checks the engine's invariants after each step (``check_invariants``).
@@ -194,6 +196,10 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
         ok = ref_ids == got and (not compare_text or reference.text(rid) == yours.text(rid))
         same &= ok
         tokens = ", ".join(map(str, got[:8])) + (", ..." if len(got) > 8 else "")
+        if "structured_outputs" in params:   # the text says more than the ids
+            tokens = repr(yours.text(rid))
+            ok &= _matches_so_far(params["structured_outputs"].regex, yours, rid)
+            same &= ok
         say(f"  prompt {rid}{'' if greedy else ' (' + params_text(params) + ')'}: {'✓' if ok else '✗'} [{tokens}]")
         if ref_ids != got:
             say(f"      reference: {ref_ids}\n      yours:     {got}")
@@ -231,6 +237,19 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     if not quiet:
         print(message)
     return EngineRunResult(ok, [reference.tokens(r) for r in ids], [yours.tokens(r) for r in ids], message)
+
+
+def _matches_so_far(pattern: str, run: _Run, rid: str) -> bool:
+    """A structured output that stopped matches its regex whole; one cut by max_tokens can
+    still be completed (its DFA state is live)."""
+    from microvllm.structured_output.regex_dfa import RegexDFA
+
+    out = run.outputs.get(rid)
+    if out is None:
+        return False
+    dfa = RegexDFA(pattern)
+    state = dfa.walk(dfa.start, out.outputs[0].text)
+    return dfa.is_accepting(state) if out.outputs[0].finish_reason == "stop" else state != dfa.DEAD
 
 
 def _notes(trace) -> list[str]:

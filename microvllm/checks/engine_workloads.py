@@ -13,12 +13,17 @@ engine settings chosen so that a wrong component changes the tokens or a step's 
                    fifth prompt): the LRU order decides which blocks are evicted
     SAMPLED_RUN    one greedy prompt and five seeded ones, each with its own filter (top-k, top-p,
                    min-p, none, all three): a bug in one filter changes that prompt's tokens
+    STRUCTURED_RUN five prompts, each under a regex (structured_outputs_backend="course"), greedy and
+                   seeded: a token mask that lets one wrong token through, or forbids a right one,
+                   changes what the random model writes (token_trie)
     GREEDY_RUN     the 4 prompts, greedy: everything else (detokenizer, decode kernel)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from microvllm.sampling_params import StructuredOutputsParams
 
 # Prompts that share a prefix (prefix-cache hits), of mixed lengths (chunking), one with
 # characters the tiny tokenizer splits into byte tokens (detokenization).
@@ -56,14 +61,25 @@ SAMPLED_PARAMS = (GREEDY, dict(temperature=0.8, top_k=3, seed=11), dict(temperat
                   dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.1, seed=15))
 SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable"),
                        SAMPLED_PARAMS, (("max_num_batched_tokens", 32),))
+STRUCTURED_PATTERNS = (r"[0-9]{3}-[0-9]{4}", r'\{"name": "[a-z]{1,8}", "age": [0-9]{1,2}\}', r"(yes|no|maybe)",
+                       r"[A-Z][a-z]+( [a-z]+){1,4}\.", r"(0|[1-9][0-9]*)\.[0-9]{2} (EUR|USD)")
+STRUCTURED_RUN = Workload(
+    "structured", tuple(PROMPTS) + ("A short one",),
+    tuple(dict(temperature=0.0 if i % 2 == 0 else 1.0, **({} if i % 2 == 0 else {"seed": 20 + i}),
+               structured_outputs=StructuredOutputsParams(regex=pattern))
+          for i, pattern in enumerate(STRUCTURED_PATTERNS)),
+    (("structured_outputs_backend", "course"),))
 WORKLOADS = {"scheduler": SCHEDULER_RUN, "block_pool": PREFIX_RUN, "kv_cache_manager": PREFIX_RUN,
-             "sampler": SAMPLED_RUN, "model_runner": SAMPLED_RUN, "block_table": SAMPLED_RUN}
+             "sampler": SAMPLED_RUN, "model_runner": SAMPLED_RUN, "block_table": SAMPLED_RUN,
+             "token_trie": STRUCTURED_RUN}
 
 
 def params_text(params: dict) -> str:
+    structured = params.get("structured_outputs")
+    regex = f"regex {structured.regex!r}, " if structured is not None else ""
     if params.get("temperature", 1.0) == 0.0:
-        return "greedy"
-    return ", ".join(f"{k}={v}" for k, v in params.items())
+        return regex + "greedy"
+    return regex + ", ".join(f"{k}={v}" for k, v in params.items() if k != "structured_outputs")
 
 
 FILTER_HINTS = {

@@ -110,7 +110,8 @@ class Engine:
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_cache_manager)
         self.structured_output_manager = StructuredOutputManager(
-            self.prompts.tokenizer, self.model_config.vocab_size, config.structured_outputs_backend)
+            self.prompts.tokenizer, self.model_config.vocab_size, config.structured_outputs_backend,
+            token_trie=component(config, "token_trie", None))   # None: the course backend's own TokenTrie
         self.output_processor = OutputProcessor(
             self.prompts.tokenizer, component(config, "detokenizer", IncrementalDetokenizer))
         self.tracer = StepTracer(self.scheduler, self.model_config.vocab_size) if config.trace else None

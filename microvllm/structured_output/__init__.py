@@ -34,10 +34,11 @@ BACKENDS = ("auto", "xgrammar", "course")
 class StructuredOutputManager:
     """One engine's backend and its requests' grammars (by the scheduler's request id)."""
 
-    def __init__(self, tokenizer, vocab_size: int, backend: str = "auto"):
+    def __init__(self, tokenizer, vocab_size: int, backend: str = "auto", token_trie: type | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend={backend!r}: choose one of {BACKENDS}")
         self.tokenizer, self.vocab_size, self.backend_name = tokenizer, vocab_size, backend
+        self.token_trie = token_trie   # the course backend's TokenTrie class (exercise 15: yours)
         self._backends: dict[str, StructuredOutputBackend] = {}
         self.grammars: dict[str, StructuredOutputGrammar] = {}
         # What building the masks costs: seconds in grammar_bitmask, and how many steps.
@@ -56,8 +57,9 @@ class StructuredOutputManager:
                 from microvllm.structured_output.backend_xgrammar import XgrammarBackend
                 self._backends[name] = XgrammarBackend(self.tokenizer, self.vocab_size)
             else:
-                from microvllm.structured_output.backend_regex import RegexBackend
-                self._backends[name] = RegexBackend(self.tokenizer, self.vocab_size)
+                from microvllm.structured_output.backend_regex import RegexBackend, TokenTrie
+
+                self._backends[name] = RegexBackend(self.tokenizer, self.vocab_size, self.token_trie or TokenTrie)
         return self._backends[name]
 
     def compile(self, params, n: int) -> list[StructuredOutputGrammar]:

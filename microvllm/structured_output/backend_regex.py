@@ -46,7 +46,16 @@ class TokenTrie:
             self.ends[node].append(token_id)
 
     def allowed_from(self, dfa: RegexDFA, state: int) -> list[int]:
-        """Every id whose whole text can be read from ``state`` without dying."""
+        """Every id whose whole text can be read from ``state`` without dying.
+
+        A depth-first walk of the trie, carrying the DFA state each prefix reaches::
+
+            node 0 ("", state) ──"1"──> ("1", s1) ──"4"──> ("14", s2)   ids ending at "1", "14": allowed
+                               └─" "──> DEAD: prune, never walk below (" 7", " a", ...)
+
+        Each live edge is stepped once (``dfa.step`` is never called on ``dfa.DEAD``); node 0,
+        the empty prefix, holds no id."""
+        ### BEGIN SOLUTION
         allowed: list[int] = []
         stack = [(0, state)]
         while stack:
@@ -58,12 +67,13 @@ class TokenTrie:
                 if nxt != dfa.DEAD:
                     stack.append((child, nxt))
         return allowed
+        ### END SOLUTION
 
 
 class TokenVocabulary:
     """What the backend needs of a tokenizer: each usable id's text, the EOS ids."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, trie_class: type = TokenTrie):
         hf = getattr(tokenizer, "hf_tokenizer", tokenizer)
         special = set(getattr(hf, "all_special_ids", []))
         self.vocab_size = vocab_size
@@ -76,7 +86,7 @@ class TokenVocabulary:
             if text and "\ufffd" not in text:   # whole characters only
                 texts[token_id] = text
         self.texts = texts
-        self.trie = TokenTrie(texts)
+        self.trie = trie_class(texts)
 
 
 class RegexGrammar(StructuredOutputGrammar):
@@ -138,8 +148,8 @@ class RegexBackend(StructuredOutputBackend):
 
     name = "course"
 
-    def __init__(self, tokenizer, vocab_size: int):
-        self.vocabulary = TokenVocabulary(tokenizer, vocab_size)
+    def __init__(self, tokenizer, vocab_size: int, trie_class: type = TokenTrie):
+        self.vocabulary = TokenVocabulary(tokenizer, vocab_size, trie_class)   # trie_class: exercise 15's
         self._compiled: dict[str, tuple[RegexDFA, dict]] = {}
 
     def compile_grammar(self, kind: StructuredOutputOptions, spec: str, *,

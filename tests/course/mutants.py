@@ -45,3 +45,77 @@ class PoolFreesTwice(BlockPool):
             block.ref_cnt -= 1
             if block.ref_cnt <= 0:
                 self.free_block_queue.append(block)
+
+
+# --------------------------------------------------------------- exercise 15: token masks
+
+from microvllm.structured_output.backend_regex import TokenTrie  # noqa: E402
+
+
+def _subtree_ids(trie, node):
+    ids, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        ids.extend(trie.ends[current])
+        stack.extend(trie.children[current].values())
+    return ids
+
+
+class TrieFirstCharacterOnly(TokenTrie):
+    """Checks only each token's first character: '5a' passes because '5' does."""
+
+    def allowed_from(self, dfa, state):
+        return [token_id for ch, child in self.children[0].items() if dfa.step(state, ch) != dfa.DEAD
+                for token_id in _subtree_ids(self, child)]
+
+
+class TrieWalksThroughDead(TokenTrie):
+    """Never prunes: steps on below a dead prefix (the right ids, at the cost of the whole trie)."""
+
+    def allowed_from(self, dfa, state):
+        allowed, stack = [], [(0, state)]
+        while stack:
+            node, at = stack.pop()
+            if node and at != dfa.DEAD:
+                allowed.extend(self.ends[node])
+            for ch, child in self.children[node].items():
+                stack.append((child, dfa.step(at, ch)))
+        return allowed
+
+
+class TrieAllowsEverything(TokenTrie):
+    """Every token, whatever the state (a mask that masks nothing)."""
+
+    def allowed_from(self, dfa, state):
+        return [token_id for ids in self.ends for token_id in ids]
+
+
+class TrieAddsChildBeforeStepping(TokenTrie):
+    """Off by one node: adds a child's ids before checking the child's own character, so a
+    token whose last character dies is allowed."""
+
+    def allowed_from(self, dfa, state):
+        allowed, stack = [], [(0, state)]
+        while stack:
+            node, at = stack.pop()
+            for ch, child in self.children[node].items():
+                allowed.extend(self.ends[child])
+                nxt = dfa.step(at, ch)
+                if nxt != dfa.DEAD:
+                    stack.append((child, nxt))
+        return allowed
+
+
+class TrieFromTheStart(TokenTrie):
+    """Ignores the state it is given: always the start state's mask."""
+
+    def allowed_from(self, dfa, state):
+        return super().allowed_from(dfa, dfa.start)
+
+
+class TrieLeavesOnly(TokenTrie):
+    """Adds ids only at nodes without children: '1' is lost because '1.' is below it."""
+
+    def allowed_from(self, dfa, state):
+        return [token_id for token_id in super().allowed_from(dfa, state)
+                if any(token_id in self.ends[node] and not self.children[node] for node in range(len(self.ends)))]

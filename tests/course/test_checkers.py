@@ -24,7 +24,10 @@ from microvllm.detokenizer import IncrementalDetokenizer, find_stop_string
 from microvllm.sample.sampler import Sampler
 from microvllm.worker.block_table import BlockTable
 from microvllm.worker.model_runner import ModelRunner
-from tests.course.mutants import PoolFreesTwice, mutant
+from microvllm.structured_output.backend_regex import TokenTrie
+from tests.course.mutants import (PoolFreesTwice, TrieAddsChildBeforeStepping, TrieAllowsEverything,
+                                  TrieFirstCharacterOnly, TrieFromTheStart, TrieLeavesOnly, TrieWalksThroughDead,
+                                  mutant)
 
 
 def caught(result, pattern: str) -> None:
@@ -348,6 +351,51 @@ def test_find_stop_string_checker():
 
 
 # ------------------------------------------------------------------ the report
+
+# ------------------------------------------------------------ token masks (exercise 15)
+
+class TrieTodo(TokenTrie):
+    def allowed_from(self, dfa, state):
+        raise NotImplementedError("TokenTrie.allowed_from: walk the trie")
+
+
+def test_token_trie_checker():
+    assert checks.check_token_trie(TokenTrie, quiet=True).passed
+    caught(checks.check_token_trie(TrieFirstCharacterOnly, quiet=True),
+           r"token 3 '5a' must be masked out: after '35a'.*its character 'a'.*"
+           r"hint: +step the DFA by every character")
+    caught(checks.check_token_trie(TrieWalksThroughDead, quiet=True),
+           r"walked below a dead prefix: dfa.step\(\) was called on dfa.DEAD.*do not push that child")
+    caught(checks.check_token_trie(TrieAllowsEverything, quiet=True), r"allowed every token")
+    caught(checks.check_token_trie(TrieAddsChildBeforeStepping, quiet=True),
+           r"token 3 '5a' must be masked out")
+    caught(checks.check_token_trie(TrieFromTheStart, quiet=True),
+           r"token 1 '.5' must be allowed: '3.5'.*walk from the state you are given")
+    caught(checks.check_token_trie(TrieLeavesOnly, quiet=True),
+           r"token 2 '.' must be allowed.*not only of leaves")
+    todo(checks.check_token_trie(TrieTodo, quiet=True))
+
+
+def test_token_trie_checker_compares_with_a_per_token_walk():
+    """The property case alone catches a mask that is wrong only past the examples' shapes:
+    here one that forgets tokens of exactly three characters."""
+    class ForgetsThreeCharacterTokens(TokenTrie):
+        def allowed_from(self, dfa, state):
+            return [i for i in super().allowed_from(dfa, state) if not self._depth_is_three(i)]
+
+        def _depth_is_three(self, token_id):
+            stack = [(0, 0)]
+            while stack:
+                node, depth = stack.pop()
+                if token_id in self.ends[node]:
+                    return depth == 3
+                stack.extend((child, depth + 1) for child in self.children[node].values())
+            return False
+
+    result = checks.check_token_trie(ForgetsThreeCharacterTokens, quiet=True)
+    caught(result, r"must be allowed")
+    assert result.cases[-1].status == "fail", result.report()
+
 
 def test_report_shows_input_expected_got_and_hint(capsys):
     result = checks.check_block_pool(PoolTouchKeepsQueued)

@@ -20,7 +20,8 @@ from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_manager import KVCacheManager
 from microvllm.core.scheduler import Scheduler
 from microvllm.sample.sampler import Sampler
-from tests.course.mutants import PoolFreesTwice, mutant
+from microvllm.structured_output.backend_regex import TokenTrie
+from tests.course.mutants import PoolFreesTwice, TrieFirstCharacterOnly, mutant
 
 
 def passes(components):
@@ -208,3 +209,17 @@ def test_a_crash_also_shows_the_first_step_that_differed():
     assert "stopped with your PoolHandsOutNewestThenCrashes at step 1:" in result.message, result.message
     assert "get_new_blocks(1) raised RuntimeError: out of blocks" in result.message
     assert "the first difference from the reference: after step 0: request 0 holds blocks [5, 4]" in result.message
+
+
+# ------------------------------------------------------------------- token trie (exercise 15)
+
+def test_the_package_token_trie_passes_and_every_output_matches_its_regex():
+    result = run_engine_with({"token_trie": TokenTrie}, quiet=True)
+    assert result.same and "✓ Same tokens" in result.message and "✗" not in result.message, result.message
+    assert "regex '[0-9]{3}-[0-9]{4}', greedy): ✓" in result.message, result.message
+
+
+def test_a_token_trie_that_checks_only_first_characters_changes_the_outputs():
+    result = run_engine_with({"token_trie": TrieFirstCharacterOnly}, quiet=True)
+    assert not result.same, result.message
+    assert re.search(r"✗ Your code changed what the engine generates", result.message), result.message

@@ -50,7 +50,43 @@ def _components(name, module):
                 dict(max_num_batched_tokens=32),
                 lambda llm: type(llm.engine.executor.worker.model_runner) is module.ModelRunner
                 and type(llm.engine.executor.worker.model_runner.block_tables[0]) is module.BlockTable)
+    if name == "15_token_mask":   # the trie is built at the first structured request
+        return ({"token_trie": module.TokenTrie}, dict(structured_outputs_backend="course"),
+                lambda llm: type(llm.engine.structured_output_manager._backends["course"].vocabulary.trie)
+                is module.TokenTrie)
     raise AssertionError(f"no plug-in test for {name}: add one")
+
+
+PATTERN = r"(ab|[0-9]{2})-[xyz]{1,3}( [a-c]{2}){0,2}"
+
+
+def hf_greedy_with_the_mask(folder: str, llm, prompt_ids: list[int], pattern: str, max_tokens: int) -> list[int]:
+    """Hugging Face's greedy search, each step's logits masked by the package's own course
+    backend (its TokenTrie, not the learner's) following HF's tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from microvllm.sampling_params import StructuredOutputsParams
+    from microvllm.structured_output import StructuredOutputManager
+    from microvllm.structured_output.bitmask import unpack
+
+    manager = StructuredOutputManager(llm.engine.prompts.tokenizer, llm.engine.model_config.vocab_size, "course")
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=pattern))
+    manager.add("hf", manager.compile(params, 1)[0])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids, tokens = list(prompt_ids), []
+    eos = set(llm.engine.prompts.eos_token_ids)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            allowed = unpack(manager.grammar_bitmask(["hf"]), logits.shape[-1])[0]
+            token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+            tokens.append(token)
+            if token in eos:
+                break
+            assert manager.accept_tokens("hf", [token])
+            ids.append(token)
+    return tokens
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb")))
@@ -62,6 +98,17 @@ def test_solution_plugs_into_the_engine_with_hf_identical_tokens(name, tiny_llam
         prompts = prompts[:3]
     llm = LLM(str(tiny_llama), components=components or None, max_model_len=128, debug_invariants=True,
               trace=True, **settings)
+    if name == "15_token_mask":   # structured outputs: HF's greedy search under the same mask
+        from microvllm.sampling_params import StructuredOutputsParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=40,
+                                structured_outputs=StructuredOutputsParams(regex=PATTERN))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params, use_tqdm=False)
+        assert uses_it(llm), "the engine did not build the solution's class"
+        for prompt, out in zip(prompts[:3], outs):
+            reference = hf_greedy_with_the_mask(str(tiny_llama), llm, prompt, PATTERN, 40)
+            assert list(out.outputs[0].token_ids) == reference
+        return
     assert uses_it(llm), "the engine did not build the solution's class"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):

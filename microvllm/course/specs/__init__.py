@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib
 
-NAMES = ("detokenizer", "block_pool", "prefix_cache", "scheduler", "decode_kernel", "sampler", "model_runner")
+NAMES = ("detokenizer", "block_pool", "prefix_cache", "scheduler", "decode_kernel", "sampler", "model_runner",
+         "token_mask")
 
 
 def exercise_specs(*, skip_unavailable: bool = False) -> list:

@@ -1,0 +1,72 @@
+"""Exercise 15: the token mask of a DFA state (structured outputs)."""
+
+from microvllm.course.exercise import Exercise, Part
+from microvllm.structured_output.backend_regex import TokenTrie
+
+EXERCISE = Exercise(
+    number="15", slug="token_mask", title="Structured outputs: the token mask of a DFA state",
+    lecture="15 · structured outputs",
+    intro="""You write the heart of the course's structured-output backend: given the DFA state the
+text is in, which vocabulary tokens may come next (`TokenTrie.allowed_from`). A token spans several
+characters, so several DFA states; it is allowed only if reading *all* of its characters never
+reaches the dead state. The vocabulary is a trie, so that tokens sharing a prefix share its walk and
+a dead prefix prunes every token below it.""",
+    setup="""
+import microvllm.structured_output.backend_regex
+from microvllm.structured_output.regex_dfa import RegexDFA
+from microvllm.checks import check_token_trie, run_engine_with
+""",
+    parts=(Part(TokenTrie, methods=("allowed_from",), intro="""Your class is the engine's `TokenTrie`
+with your `allowed_from`. Its constructor (given) built the trie from `{token_id: text}`:
+`self.children[node]` maps a character to the child node, `self.ends[node]` lists the ids whose
+text ends exactly there, and node 0 is the empty prefix. The DFA gives
+`dfa.step(state, ch)` (the next state, or `dfa.DEAD`)."""),),
+    todos={
+        "TokenTrie.allowed_from": "walk the trie from node 0 with the DFA at `state`; enter a child only if "
+                                  "dfa.step(at, ch) != dfa.DEAD; return the ids in self.ends of every node reached",
+    },
+    contract="""
+`allowed_from(dfa, state) -> list[int]`: every token id whose whole text can be read from the DFA
+state `state` without reaching `dfa.DEAD`:
+
+- a token is allowed iff every character of its text, stepped one by one from `state`, keeps the
+  DFA alive — then some text still completes the pattern; a forbidden token is one after which
+  nothing can;
+- an id may end at a node that has children (`"1."` under `"1"`): add the ids of *every* node you
+  reach, not only of leaves; node 0 (the empty prefix) holds none;
+- prune: never step below a dead prefix (`dfa.step` is never called on `dfa.DEAD`), so that a
+  49,152-token vocabulary is walked only where the pattern can go;
+- the order of the ids does not matter; the engine sets those entries of the mask to True.
+
+The engine calls it once per DFA state a request reaches (the mask is remembered), then adds the
+EOS ids where the state accepts (`RegexGrammar.allowed_ids`, given).
+""",
+    hints=(
+        """The trie is a tree, so a walk needs no "seen" set: keep a stack of `(node, dfa_state)` pairs,
+starting with `(0, state)`. Each pop adds `self.ends[node]` (for `node != 0`).""",
+        """For each `ch, child in self.children[node].items()`: `nxt = dfa.step(at, ch)`; push
+`(child, nxt)` only if `nxt != dfa.DEAD`. That is the whole pruning: the subtree of a dead child is
+never visited.""",
+        """```python
+allowed: list[int] = []
+stack = [(0, state)]
+while stack:
+    node, at = stack.pop()
+    if node:
+        allowed.extend(self.ends[node])
+    for ch, child in self.children[node].items():
+        nxt = dfa.step(at, ch)
+        if nxt != dfa.DEAD:
+            stack.append((child, nxt))
+return allowed
+```""",
+    ),
+    checks=("check_token_trie(TokenTrie)",),
+    engine_intro="""`components={"token_trie": TokenTrie}` makes the course backend
+(`structured_outputs_backend="course"`) build its vocabulary trie with your class, so every token
+mask of the run comes from your `allowed_from`. A tiny random model has nothing but the mask to keep
+it on track: five prompts each under a regex (a phone number, a small JSON object, a choice, a
+sentence, a price), greedy and seeded. The tokens must equal the reference engine's, and every text
+must match its regex (or, when `max_tokens` cut it, still be able to).""",
+    engine='run_engine_with({"token_trie": TokenTrie})',
+)
