@@ -170,6 +170,14 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     if "scheduler" in components:
         components["scheduler"] = watch_scheduler(components["scheduler"])
 
+    if "attention_backend" in settings:   # a learner's kernel is checked before the engine launches it
+        from microvllm.checks.attention import decode_kernel_preflight
+
+        refusal = decode_kernel_preflight(settings["attention_backend"])
+        if refusal is not None:
+            if not quiet:
+                print(refusal)
+            return EngineRunResult(False, message=refusal)
     reference_settings = {k: v for k, v in settings.items() if k != "attention_backend"}
     reference = _reference(workload, reference_settings, max_tokens, arch)
     yours = _drive(components or None, workload, settings, max_tokens, arch, check=True,

@@ -208,3 +208,30 @@ def test_a_crash_also_shows_the_first_step_that_differed():
     assert "stopped with your PoolHandsOutNewestThenCrashes at step 1:" in result.message, result.message
     assert "get_new_blocks(1) raised RuntimeError: out of blocks" in result.message
     assert "the first difference from the reference: after step 0: request 0 holds blocks [5, 4]" in result.message
+
+
+# ---------------------------------------------------------------- decode kernel
+
+def test_a_decode_kernel_that_fails_its_checker_is_not_launched():
+    """A kernel that stores with the query's strides writes past the end of the engine's
+    output tensor (the query is a view into the fused QKV): the engine cell must refuse to
+    launch it, with the checker's reason, instead of letting it corrupt memory."""
+    import microvllm.attention.triton_kernels.decode as decode_module
+    from microvllm.attention import register_backend
+    from microvllm.attention.triton_backend import TritonAttentionBackend
+
+    query_strides = mutant(decode_module, [
+        ("tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims",
+         "tl.store(out_ptr + token * stride_query_token + head * stride_query_head + dims")])
+
+    @register_backend("test-wrong-strides-decode")
+    class WrongStrides(TritonAttentionBackend):
+        def __init__(self):
+            super().__init__(use_decode_kernel=True)
+            self._decode_attention = query_strides.decode_attention
+
+    result = run_engine_with(attention_backend="test-wrong-strides-decode", quiet=True, max_tokens=2,
+                             prompts=["Hi"])
+    assert not result.same and result.yours == [], result.message
+    assert re.search(r"✗ not run: your decode kernel fails check_decode_kernel.*wrote outside `out`",
+                     result.message, re.S), result.message
