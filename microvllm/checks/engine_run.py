@@ -10,9 +10,13 @@ with the engine's own (the reference), same settings, same seeds — and prints 
     scheduler              6 prompts; 3 seats, 16 tokens a step, 6   every step's plan (requests, tokens,
                            usable blocks: chunks, queueing,          preemptions, prefix hits) and the limits
                            preemption, prefix hits
-    block_pool,            5 prompts sharing prefixes in a pool of   every step's plan, block tables, free and
-    kv_cache_manager       5 blocks: hits, revived and evicted       cached blocks; the pool after every call
+    block_pool             5 prompts sharing prefixes in a pool of   every step's plan, block tables, free and
+                           5 blocks: hits, revived and evicted       cached blocks; the pool after every call
                            blocks, preemption
+    kv_cache_manager,      7 prompts in blocks of 8: shared          every step's plan, block tables, free and
+    hash_block_tokens=     prefixes, a block whose tokens recur      cached blocks
+                           after another parent, a salted repeat,
+                           a resumed request's hit on its output
     sampler, model_runner  greedy rows and seeded random rows with   the tokens (a seeded request draws the
                            temperature, top-k, top-p, min-p          same tokens from the same logits)
     anything else          4 prompts, greedy                         the tokens (and the text: detokenizer)
@@ -35,7 +39,7 @@ from pathlib import Path
 
 from microvllm.checks.engine_steps import (HINT_HITS, HINT_HITS_MANAGER, HINT_HITS_POOL, first_difference,
                                            watch_scheduler)
-from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, WORKLOADS, Workload,
+from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, PREFIX_HASH_RUN, WORKLOADS, Workload,
                                                params_text, sampling_hint)
 from microvllm.checks.pool_watch import POOL_HINTS, watch_block_pool
 from microvllm.checks.report import CheckFailure, explain_exception, not_implemented_message, round_floats
@@ -149,13 +153,16 @@ def _reference(workload: Workload, settings: dict, max_tokens: int, arch: str) -
 
 def run_engine_with(components: dict | None = None, *, label: str | None = None, prompts=None,
                     max_tokens: int = 12, compare_text: bool = False, quiet: bool = False,
-                    arch: str = "llama", **settings) -> EngineRunResult:
+                    arch: str = "llama", hash_block_tokens=None, **settings) -> EngineRunResult:
     """Run your ``components`` (and ``settings`` such as ``num_kv_blocks=10`` or
     ``attention_backend="my-decode"``, which override the workload's) in the engine on a
-    workload chosen for them, compare with the reference engine, print the verdict."""
+    workload chosen for them, compare with the reference engine, print the verdict.
+    ``hash_block_tokens``: your block hash, used for every request's block hashes in your run."""
     components = dict(components or {})
-    label = label or ", ".join(f"your {cls.__name__}" for cls in components.values()) or "your code"
-    workload = next((WORKLOADS[name] for name in components if name in WORKLOADS), GREEDY_RUN)
+    label = label or ", ".join([f"your {cls.__name__}" for cls in components.values()]
+                               + (["your hash_block_tokens"] if hash_block_tokens else [])) or "your code"
+    workload = next((WORKLOADS[name] for name in components if name in WORKLOADS),
+                    PREFIX_HASH_RUN if hash_block_tokens else GREEDY_RUN)
     if prompts is not None:
         prompts = tuple(prompts)
         workload = Workload(workload.name, prompts, (workload.params * len(prompts))[:len(prompts)],
@@ -180,8 +187,9 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
             return EngineRunResult(False, message=refusal)
     reference_settings = {k: v for k, v in settings.items() if k != "attention_backend"}
     reference = _reference(workload, reference_settings, max_tokens, arch)
-    yours = _drive(components or None, workload, settings, max_tokens, arch, check=True,
-                   max_steps=4 * len(reference.trace) + 20)
+    with _block_hash(hash_block_tokens):
+        yours = _drive(components or None, workload, settings, max_tokens, arch, check=True,
+                       max_steps=4 * len(reference.trace) + 20)
     if yours.error is not None:
         earlier = None
         if workload.steps and yours.trace is not None:  # a wrong decision may have led to the crash
@@ -191,7 +199,7 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
 
     lines = []
     say = lines.append
-    greedy = all(p == GREEDY for p in workload.params)
+    greedy = all(p.get("temperature", 1.0) == 0.0 for p in workload.params)
     shown = ", ".join(f"{k}={v}" for k, v in settings.items() if k != "max_model_len")
     say(f"The engine with {label} on a tiny random Llama: {len(workload.prompts)} prompts x {max_tokens} "
         + ("greedy tokens" if greedy else "tokens, greedy and seeded sampling") + (f"\n({shown})" if shown else ""))
@@ -202,7 +210,8 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
         ok = ref_ids == got and (not compare_text or reference.text(rid) == yours.text(rid))
         same &= ok
         tokens = ", ".join(map(str, got[:8])) + (", ..." if len(got) > 8 else "")
-        say(f"  prompt {rid}{'' if greedy else ' (' + params_text(params) + ')'}: {'✓' if ok else '✗'} [{tokens}]")
+        shown_params = "" if greedy and params == GREEDY else f" ({params_text(params)})"
+        say(f"  prompt {rid}{shown_params}: {'✓' if ok else '✗'} [{tokens}]")
         if ref_ids != got:
             say(f"      reference: {ref_ids}\n      yours:     {got}")
         elif not ok:
@@ -239,6 +248,21 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     if not quiet:
         print(message)
     return EngineRunResult(ok, [reference.tokens(r) for r in ids], [yours.tokens(r) for r in ids], message)
+
+
+@contextlib.contextmanager
+def _block_hash(hash_block_tokens):
+    """Every request's block hashes made with ``hash_block_tokens`` (the one function
+    ``hash_new_full_blocks`` calls), for the duration of one run."""
+    from microvllm.core import kv_cache_utils
+
+    engine_hash = kv_cache_utils.hash_block_tokens
+    if hash_block_tokens is not None:
+        kv_cache_utils.hash_block_tokens = hash_block_tokens
+    try:
+        yield
+    finally:
+        kv_cache_utils.hash_block_tokens = engine_hash
 
 
 def _notes(trace) -> list[str]:

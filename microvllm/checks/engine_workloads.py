@@ -11,6 +11,12 @@ engine settings chosen so that a wrong component changes the tokens or a step's 
     PREFIX_RUN     5 prompts, three sharing a 16-token prefix; num_kv_blocks=6, budget 32: a hit on a
                    block in use (step 0), preemption, and a hit on a freed block still cached (the
                    fifth prompt): the LRU order decides which blocks are evicted
+    PREFIX_HASH_RUN  7 prompts in blocks of 8; num_kv_blocks=16, budget 32, 4 seats (exercise 04, with
+                   the learner's hash): prompts 0 and 1 share 16 tokens (a hit in step 0); X = A+C, Y = D+B,
+                   then P = A+B, whose second block holds the same tokens as Y's after another parent (a
+                   hash that ignores the parent hits it); X again with prompt_logprobs (its own cache
+                   salt: a hash that ignores extra keys hits it); a request preempted after it generated
+                   a block's worth of tokens resumes with a hit over prompt and output
     SAMPLED_RUN    one greedy prompt and five seeded ones, each with its own filter (top-k, top-p,
                    min-p, none, all three): a bug in one filter changes that prompt's tokens
     GREEDY_RUN     the 4 prompts, greedy: everything else (detokenizer, decode kernel)
@@ -51,18 +57,26 @@ SCHEDULER_RUN = Workload(
 PREFIX_RUN = Workload(
     "prefix cache", tuple(PROMPTS) + ("The scheduler decides which requests run in each step; the block pool",),
     (GREEDY,) * 5, (("num_kv_blocks", 6), ("max_num_batched_tokens", 32)), steps=True, blocks=True)
+_A, _B, _C, _D = (list(range(start, start + 8)) for start in (100, 200, 300, 400))   # one block each
+PREFIX_HASH_RUN = Workload(
+    "prefix cache and hash",
+    (PROMPTS[0], PROMPTS[1], {"prompt_token_ids": _A + _C + [1, 2, 3]}, {"prompt_token_ids": _D + _B + [4, 5]},
+     PROMPTS[2], {"prompt_token_ids": _A + _B + [6, 7, 8]}, {"prompt_token_ids": _A + _C + [1, 2, 3]}),
+    (GREEDY,) * 6 + ({"temperature": 0.0, "prompt_logprobs": 1},),
+    (("block_size", 8), ("num_kv_blocks", 16), ("max_num_batched_tokens", 32), ("max_num_seqs", 4)),
+    steps=True, blocks=True)
 SAMPLED_PARAMS = (GREEDY, dict(temperature=0.8, top_k=3, seed=11), dict(temperature=0.3, top_p=0.6, seed=12),
                   dict(temperature=0.5, min_p=0.5, seed=13), dict(temperature=1.0, seed=14),
                   dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.1, seed=15))
 SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable"),
                        SAMPLED_PARAMS, (("max_num_batched_tokens", 32),))
-WORKLOADS = {"scheduler": SCHEDULER_RUN, "block_pool": PREFIX_RUN, "kv_cache_manager": PREFIX_RUN,
+WORKLOADS = {"scheduler": SCHEDULER_RUN, "block_pool": PREFIX_RUN, "kv_cache_manager": PREFIX_HASH_RUN,
              "sampler": SAMPLED_RUN, "model_runner": SAMPLED_RUN, "block_table": SAMPLED_RUN}
 
 
 def params_text(params: dict) -> str:
     if params.get("temperature", 1.0) == 0.0:
-        return "greedy"
+        return ", ".join(["greedy"] + [f"{k}={v}" for k, v in params.items() if k != "temperature"])
     return ", ".join(f"{k}={v}" for k, v in params.items())
 
 

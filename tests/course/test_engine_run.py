@@ -235,3 +235,35 @@ def test_a_decode_kernel_that_fails_its_checker_is_not_launched():
     assert not result.same and result.yours == [], result.message
     assert re.search(r"✗ not run: your decode kernel fails check_decode_kernel.*wrote outside `out`",
                      result.message, re.S), result.message
+
+
+# ------------------------------------------------------------ prefix cache + hash
+
+def test_the_package_hash_and_manager_pass_and_the_learners_hash_is_used():
+    from microvllm.core import kv_cache_utils
+
+    calls, engine_hash = [], kv_cache_utils.hash_block_tokens
+
+    def counting_hash(parent, token_ids, extra_keys=None):
+        calls.append(1)
+        return engine_hash(parent, token_ids, extra_keys)
+    result = run_engine_with({"kv_cache_manager": KVCacheManager}, hash_block_tokens=counting_hash, quiet=True)
+    assert result.same and "✗" not in result.message, result.message
+    assert calls, "the engine cell never called the learner's hash_block_tokens"
+    assert kv_cache_utils.hash_block_tokens is not counting_hash   # restored after the run
+
+
+def test_a_hit_capped_by_the_prompt_is_caught_on_the_resumed_request():
+    from tests.course.test_checkers import HitsCappedByThePrompt
+
+    caught({"kv_cache_manager": HitsCappedByThePrompt}, r"planned a different batch.*prefix hit")
+
+
+@pytest.mark.parametrize("name", ["hash_without_parent", "hash_ignoring_extra_keys"])
+def test_a_hash_that_fails_its_checker_fails_the_engine_cell(name):
+    import tests.course.test_checkers as checker_tests
+
+    result = run_engine_with({"kv_cache_manager": KVCacheManager}, hash_block_tokens=getattr(checker_tests, name),
+                             quiet=True)
+    assert not result.same and re.search(r"step \d+: your KVCacheManager.*planned a different batch",
+                                         result.message, re.S), result.message
