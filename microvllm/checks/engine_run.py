@@ -100,6 +100,11 @@ class _Run:
         out = self.outputs.get(rid)
         return list(out.outputs[0].token_ids) if out is not None else []
 
+    def samples(self, rid: str) -> list[list[int]]:
+        """Every completion's tokens (``n > 1``: each sample has its own seed)."""
+        out = self.outputs.get(rid)
+        return [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)] if out is not None else []
+
     def text(self, rid: str) -> str:
         out = self.outputs.get(rid)
         return out.outputs[0].text if out is not None else ""
@@ -206,6 +211,9 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     ids = [str(i) for i in range(len(workload.prompts))]
     same = True
     for rid, params in zip(ids, workload.params):
+        if params.get("n", 1) > 1:   # many seeded draws from one distribution: every one must match
+            same &= _compare_samples(rid, params, reference.samples(rid), yours.samples(rid), say)
+            continue
         ref_ids, got = reference.tokens(rid), yours.tokens(rid)
         ok = ref_ids == got and (not compare_text or reference.text(rid) == yours.text(rid))
         same &= ok
@@ -218,7 +226,7 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
             say(f"      reference text: {reference.text(rid)!r}\n      your text:      {yours.text(rid)!r}")
     say("  (" + "; ".join(_notes(yours.trace)) + ")")
     if not same and "sampler" in components:
-        wrong = [reference.tokens(r) != yours.tokens(r) for r in ids]
+        wrong = [reference.samples(r) != yours.samples(r) for r in ids]
         say(f"    hint: {sampling_hint(workload.params, wrong)}")
     difference = None
     if workload.steps:
@@ -248,6 +256,20 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     if not quiet:
         print(message)
     return EngineRunResult(ok, [reference.tokens(r) for r in ids], [yours.tokens(r) for r in ids], message)
+
+
+def _compare_samples(rid: str, params: dict, reference: list[list[int]], yours: list[list[int]], say) -> bool:
+    wrong = [i for i, (r, y) in enumerate(zip(reference, yours)) if r != y]
+    wrong += list(range(min(len(reference), len(yours)), max(len(reference), len(yours))))
+    count = len(reference)
+    if not wrong:
+        say(f"  prompt {rid} ({params_text(params)}): ✓ all {count} samples, {sum(map(len, reference))} tokens")
+        return True
+    i = wrong[0]
+    say(f"  prompt {rid} ({params_text(params)}): ✗ {len(wrong)} of {count} samples differ; the first, sample {i}:")
+    say(f"      reference: {reference[i] if i < len(reference) else None}\n"
+        f"      yours:     {yours[i] if i < len(yours) else None}")
+    return False
 
 
 @contextlib.contextmanager

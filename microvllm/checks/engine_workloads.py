@@ -18,7 +18,8 @@ engine settings chosen so that a wrong component changes the tokens or a step's 
                    salt: a hash that ignores extra keys hits it); a request preempted after it generated
                    a block's worth of tokens resumes with a hit over prompt and output
     SAMPLED_RUN    one greedy prompt and five seeded ones, each with its own filter (top-k, top-p,
-                   min-p, none, all three): a bug in one filter changes that prompt's tokens
+                   min-p, none, all three), then one prompt per filter with n=16 seeded samples at
+                   temperature 1 (192 draws each): a bug in one filter changes that prompt's tokens
     GREEDY_RUN     the 4 prompts, greedy: everything else (detokenizer, decode kernel)
 """
 
@@ -68,8 +69,13 @@ PREFIX_HASH_RUN = Workload(
 SAMPLED_PARAMS = (GREEDY, dict(temperature=0.8, top_k=3, seed=11), dict(temperature=0.3, top_p=0.6, seed=12),
                   dict(temperature=0.5, min_p=0.5, seed=13), dict(temperature=1.0, seed=14),
                   dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.1, seed=15))
-SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable"),
-                       SAMPLED_PARAMS, (("max_num_batched_tokens", 32),))
+# Many seeded draws per filter, at temperature 1 where each filter cuts off much of the mass: a
+# sampler that ignores a filter (or applies it slightly wrong) draws other tokens in some of them.
+MANY_DRAWS = (dict(temperature=1.0, top_k=5, seed=21, n=16), dict(temperature=1.0, top_p=0.5, seed=22, n=16),
+              dict(temperature=1.0, min_p=0.2, seed=23, n=16))
+SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable",
+                                                    "Top-k keeps", "Top-p keeps", "Min-p keeps"),
+                       SAMPLED_PARAMS + MANY_DRAWS, (("max_num_batched_tokens", 32),))
 WORKLOADS = {"scheduler": SCHEDULER_RUN, "block_pool": PREFIX_RUN, "kv_cache_manager": PREFIX_HASH_RUN,
              "sampler": SAMPLED_RUN, "model_runner": SAMPLED_RUN, "block_table": SAMPLED_RUN}
 
@@ -94,12 +100,14 @@ def sampling_hint(params: tuple[dict, ...], wrong: list[bool]) -> str:
         return "the tokens are the same but the text differs: look at the detokenizer"
     if any(bad and p == GREEDY for p, bad in zip(params, wrong)):
         return "greedy rows must take logits.argmax(dim=-1), exactly"
-    sampled = [(set(p) - {"temperature", "seed"}, bad) for p, bad in zip(params, wrong) if p != GREEDY]
-    if all(bad for _, bad in sampled):
+    sampled = [(set(p) - {"temperature", "seed", "n"}, bad, p.get("n", 1) > 1)
+               for p, bad in zip(params, wrong) if p != GREEDY]
+    if all(bad for _, bad, _ in sampled):
         return ("every sampled prompt differs: divide by the temperature, then draw each seeded row's noise "
                 "from its own generator (generators[row]), the others from self.generator")
-    suspects = set.intersection(*[keys for keys, bad in sampled if bad])
-    suspects -= set().union(*[keys for keys, bad in sampled if not bad and len(keys) == 1])  # proven right
+    suspects = set.intersection(*[keys for keys, bad, _ in sampled if bad])
+    # A filter is proven right only by many draws that all matched (a few tokens prove little).
+    suspects -= set().union(*[keys for keys, bad, many in sampled if not bad and many and len(keys) == 1])
     if suspects:
         return "; ".join(FILTER_HINTS[name] for name in sorted(suspects) if name in FILTER_HINTS)
     return ("the prompts that differ share no filter that the others lack: check how temperature "

@@ -179,6 +179,17 @@ def test_a_sampler_that_ignores_min_p_is_caught():
     caught({"sampler": sampler}, r"prompt 3 \(temperature=0\.5, min_p=0\.5, seed=13\): ✗.*hint: .*min-p")
 
 
+@pytest.mark.parametrize("name, prompt", [("apply_top_k", 6), ("apply_top_p", 7), ("apply_min_p", 8)])
+def test_a_sampler_that_ignores_a_filter_entirely_fails_its_many_draws(name, prompt):
+    """Each filter has a prompt with 16 seeded samples at temperature 1, where the filter cuts
+    off much of the mass: ignoring it changes draws there (top-p used to pass: its only
+    prompt sampled at temperature 0.3, where the nucleus rarely matters)."""
+    sampler = mutant(sampler_module, **{name: lambda logits, value: logits}).Sampler
+    filter_name = name.removeprefix("apply_")
+    caught({"sampler": sampler}, rf"prompt {prompt} \(temperature=1\.0, {filter_name}=[\d.]+, seed=\d+, n=16\): "
+                                 rf"✗ \d+ of 16 samples differ.*hint: .*({filter_name}|{filter_name.replace('_', '-')})")
+
+
 # ----------------------------------------------------------------- model runner
 
 def test_the_model_runner_cell_runs_seeded_rows_and_still_catches_wrong_positions():
