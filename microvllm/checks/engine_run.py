@@ -95,6 +95,7 @@ class _Run:
     trace: object = None
     error: BaseException | None = None
     where: str = ""                                # "at step 3", "while building the engine", ...
+    streamed: dict = field(default_factory=dict)   # request id -> [(step, text shown so far), ...]
 
     def tokens(self, rid: str) -> list[int]:
         out = self.outputs.get(rid)
@@ -132,7 +133,10 @@ def _drive(components, workload: Workload, settings: dict, max_tokens: int, arch
                 if max_steps is not None and engine.num_steps >= max_steps:
                     raise AssertionError(f"the requests are not done after {max_steps} steps (the reference "
                                          "needs far fewer): does every step schedule something?")
+                step = engine.num_steps
                 for out in engine.step():
+                    if out.outputs:
+                        run.streamed.setdefault(out.request_id, []).append((step, out.outputs[0].text))
                     if out.finished:
                         run.outputs[out.request_id] = out
                 if check:
@@ -224,6 +228,8 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
             say(f"      reference: {ref_ids}\n      yours:     {got}")
         elif not ok:
             say(f"      reference text: {reference.text(rid)!r}\n      your text:      {yours.text(rid)!r}")
+    if same and compare_text:   # the same final text: was it also shown at the same steps?
+        same = _compare_streams(reference.streamed, yours.streamed, ids, say)
     say("  (" + "; ".join(_notes(yours.trace)) + ")")
     if not same and "sampler" in components:
         wrong = [reference.samples(r) != yours.samples(r) for r in ids]
@@ -256,6 +262,19 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     if not quiet:
         print(message)
     return EngineRunResult(ok, [reference.tokens(r) for r in ids], [yours.tokens(r) for r in ids], message)
+
+
+def _compare_streams(reference: dict, yours: dict, ids: list[str], say) -> bool:
+    """The text each request had shown after every step: a stalled or early stream differs."""
+    for rid in ids:
+        for (step, ref_text), (_, your_text) in zip(reference.get(rid, []), yours.get(rid, [])):
+            if ref_text != your_text:
+                say(f"  ✗ prompt {rid}, step {step}: the same final text, but not streamed at the same time:\n"
+                    f"      reference had shown {ref_text!r}\n      yours had shown     {your_text!r}\n"
+                    "    hint: emit text as soon as its characters are complete; hold back only a '\\ufffd' at "
+                    "the END of the window (one in the middle is an invalid byte no token will complete)")
+                return False
+    return True
 
 
 def _compare_samples(rid: str, params: dict, reference: list[list[int]], yours: list[list[int]], say) -> bool:

@@ -278,3 +278,69 @@ def test_a_hash_that_fails_its_checker_fails_the_engine_cell(name):
                              quiet=True)
     assert not result.same and re.search(r"step \d+: your KVCacheManager.*planned a different batch",
                                          result.message, re.S), result.message
+
+
+# ------------------------------------------------------------------ detokenizer
+
+def test_the_detokenizer_workload_exercises_its_rules():
+    """The workload's properties come from the tiny model's own output: if it drifts, say so."""
+    from microvllm.checks.engine_run import _reference, tiny_model_folder
+    from microvllm.checks.engine_workloads import DETOKENIZER_RUN
+    from microvllm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(str(tiny_model_folder("llama")))
+    reference = _reference(DETOKENIZER_RUN, {"max_model_len": 128}, 12, "llama")
+
+    def texts(rid):   # the text after each token
+        ids = reference.tokens(rid)
+        return [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+    # prompt 0: "ter(" ends the text, and no single token's text held all of it
+    assert reference.outputs["0"].outputs[0].stop_reason == "ter(", reference.text("0")
+    assert "ter(" in tok.decode(reference.tokens("0")), texts("0")
+    assert not any("ter(" in tok.decode([t]) for t in reference.tokens("0")), texts("0")
+    # prompt 1: "plan" ends exactly where the text of the first min_tokens = 2 tokens ends
+    assert texts("1")[1].endswith("plan"), texts("1")
+    # prompts 2 and 4: a character split over two tokens (half of it decodes to '\ufffd')
+    for rid, char in (("2", "ֱ"), ("4", "܄")):
+        out = texts(rid)
+        assert any(a.endswith("\ufffd") and b == a[:-1] + char for a, b in zip(out, out[1:])), out
+
+
+def test_the_package_detokenizer_passes_with_text_compared_after_every_step():
+    from microvllm.detokenizer import IncrementalDetokenizer
+
+    result = run_engine_with({"detokenizer": IncrementalDetokenizer}, quiet=True)
+    assert result.same and "✗" not in result.message, result.message
+
+
+def test_a_detokenizer_that_shows_half_characters_is_caught():
+    from tests.course.test_checkers import DecodesEachTokenAlone
+
+    caught({"detokenizer": DecodesEachTokenAlone}, r"prompt 2 \(temperature=1\.0, seed=2\): ✗",
+           same_greedy_tokens=False)
+
+
+def test_a_detokenizer_that_stalls_after_an_invalid_byte_is_caught_by_the_streamed_text():
+    from tests.course.test_checkers import StallsOnAnyReplacementChar
+
+    caught({"detokenizer": StallsOnAnyReplacementChar},
+           r"✗ prompt 2, step 2: the same final text, but not streamed at the same time.*"
+           r"reference had shown '\ufffdֱ'.*yours had shown +''", same_greedy_tokens=False)
+
+
+def test_a_stop_string_search_of_the_new_text_only_is_caught():
+    import microvllm.detokenizer as detokenizer_module
+    from tests.course.test_checkers import stop_in_new_text_only
+
+    detokenizer = mutant(detokenizer_module, find_stop_string=stop_in_new_text_only).IncrementalDetokenizer
+    caught({"detokenizer": detokenizer}, r"prompt 0 \(greedy, stop=\['ter\('\]\): ✗", same_greedy_tokens=False)
+
+
+@pytest.mark.xfail(strict=True, reason="the engine's output processor does not pass min_tokens to the "
+                                       "detokenizer, so the reference counts the stop string too")
+def test_a_stop_string_search_one_character_too_early_is_caught_after_min_tokens():
+    import microvllm.detokenizer as detokenizer_module
+
+    detokenizer = mutant(detokenizer_module, [("len(output_text) - new_char_count - len(stop_string) + 1",
+                                               "len(output_text) - new_char_count - len(stop_string)")])
+    caught({"detokenizer": detokenizer.IncrementalDetokenizer}, r"prompt 1 \(greedy, min_tokens=2", same_greedy_tokens=False)
