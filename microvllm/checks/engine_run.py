@@ -37,6 +37,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from microvllm.checks.engine_outputs import compare_samples, compare_streams
 from microvllm.checks.engine_steps import (HINT_HITS, HINT_HITS_MANAGER, HINT_HITS_POOL, first_difference,
                                            watch_scheduler)
 from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, PREFIX_HASH_RUN, WORKLOADS, Workload,
@@ -216,7 +217,7 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     same = True
     for rid, params in zip(ids, workload.params):
         if params.get("n", 1) > 1:   # many seeded draws from one distribution: every one must match
-            same &= _compare_samples(rid, params, reference.samples(rid), yours.samples(rid), say)
+            same &= compare_samples(rid, params, reference.samples(rid), yours.samples(rid), say)
             continue
         ref_ids, got = reference.tokens(rid), yours.tokens(rid)
         ok = ref_ids == got and (not compare_text or reference.text(rid) == yours.text(rid))
@@ -229,7 +230,7 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
         elif not ok:
             say(f"      reference text: {reference.text(rid)!r}\n      your text:      {yours.text(rid)!r}")
     if same and compare_text:   # the same final text: was it also shown at the same steps?
-        same = _compare_streams(reference.streamed, yours.streamed, ids, say)
+        same = compare_streams(reference.streamed, yours.streamed, ids, say)
     say("  (" + "; ".join(_notes(yours.trace)) + ")")
     if not same and "sampler" in components:
         wrong = [reference.samples(r) != yours.samples(r) for r in ids]
@@ -262,33 +263,6 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     if not quiet:
         print(message)
     return EngineRunResult(ok, [reference.tokens(r) for r in ids], [yours.tokens(r) for r in ids], message)
-
-
-def _compare_streams(reference: dict, yours: dict, ids: list[str], say) -> bool:
-    """The text each request had shown after every step: a stalled or early stream differs."""
-    for rid in ids:
-        for (step, ref_text), (_, your_text) in zip(reference.get(rid, []), yours.get(rid, [])):
-            if ref_text != your_text:
-                say(f"  ✗ prompt {rid}, step {step}: the same final text, but not streamed at the same time:\n"
-                    f"      reference had shown {ref_text!r}\n      yours had shown     {your_text!r}\n"
-                    "    hint: emit text as soon as its characters are complete; hold back only a '\\ufffd' at "
-                    "the END of the window (one in the middle is an invalid byte no token will complete)")
-                return False
-    return True
-
-
-def _compare_samples(rid: str, params: dict, reference: list[list[int]], yours: list[list[int]], say) -> bool:
-    wrong = [i for i, (r, y) in enumerate(zip(reference, yours)) if r != y]
-    wrong += list(range(min(len(reference), len(yours)), max(len(reference), len(yours))))
-    count = len(reference)
-    if not wrong:
-        say(f"  prompt {rid} ({params_text(params)}): ✓ all {count} samples, {sum(map(len, reference))} tokens")
-        return True
-    i = wrong[0]
-    say(f"  prompt {rid} ({params_text(params)}): ✗ {len(wrong)} of {count} samples differ; the first, sample {i}:")
-    say(f"      reference: {reference[i] if i < len(reference) else None}\n"
-        f"      yours:     {yours[i] if i < len(yours) else None}")
-    return False
 
 
 @contextlib.contextmanager
