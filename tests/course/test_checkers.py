@@ -218,6 +218,9 @@ def test_scheduler_checker():
     caught(checks.check_scheduler(preempts_oldest, quiet=True), r"the most recently admitted request is preempted")
     too_many_seats = mutant(scheduler_module, [(" and len(self.running) < self.max_num_seqs", "")]).Scheduler
     caught(checks.check_scheduler(too_many_seats, quiet=True), r"requests run but max_num_seqs is 2")
+    admits_after_preempting = mutant(scheduler_module, [("while not preempted and self.waiting", "while self.waiting")]).Scheduler
+    caught(checks.check_scheduler(admits_after_preempting, quiet=True),
+           r"a step that preempted admits no waiting request, even one whose chunk would fit")
     forgets_cached = mutant(scheduler_module, [("request.num_cached_tokens = num_hit_tokens", "pass")]).Scheduler
     caught(checks.check_scheduler(forgets_cached, quiet=True), r"records its prefix-cache hit in num_cached_tokens")
 
