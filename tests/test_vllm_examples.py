@@ -5,8 +5,9 @@ Each file in tests/vllm_examples/ is a copy of a script from the vLLM repository
 from ``vllm.*`` become ``from microvllm import ...``, hub model ids become None, the
 embedded model). Each runs in a fresh process, in a scratch folder, and must exit 0.
 
-Model loading dominates (about 10 s each on 2 busy cores); the two marked ``slow``
-(a 10 s sleep in the script, 128-token outputs) can be left out with ``-m "not slow"``.
+Model loading dominates (about 10 s each on 2 busy cores), so every test here is marked
+``slow`` and left out of the quick tier (``bash .ci/run --quick``); the two slowest have a
+10 s sleep in the script, or 128-token outputs.
 """
 
 import os
@@ -18,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "tests" / "vllm_examples"
+pytestmark = pytest.mark.slow
 
 
 def run_example(name: str, *args: str, cwd: Path, timeout: int = 180) -> str:

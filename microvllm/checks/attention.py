@@ -29,18 +29,28 @@ def check_decode_kernel(decode_attention, *, quiet: bool = False) -> CheckResult
     """Check a ``decode_attention(query, kv_cache, metadata, *, scale, sliding_window, out)``."""
     from microvllm.attention.torch_ref import paged_attention_torch
 
-    def compare(seq_lens, what, *, window=None, query_lens=None, **batch):
+    def compare(seq_lens, what, *, window=None, query_lens=None, fused_query=False, **batch):
         query, kv_cache, metadata = _batch(seq_lens, query_lens=query_lens, **batch)
         head_dim = query.shape[-1]
         scale = head_dim ** -0.5
         expected = paged_attention_torch(query, kv_cache, metadata, scale=scale, sliding_window=window)
-        out = torch.full_like(query, float("nan"))
+        if fused_query:
+            query, out, canary = _engine_layouts(query)
+        else:
+            out, canary = torch.full_like(query, float("nan")), None
         got = decode_attention(query, kv_cache, metadata, scale=scale, sliding_window=window, out=out)
         got = out if got is None else got
         n = metadata.num_actual_tokens
         where = (f"{what}: seq_lens {seq_lens}, {query.shape[1]} query heads / {kv_cache.shape[3]} KV heads, "
                  f"head_dim {head_dim}, block_size 16, {str(query.dtype).replace('torch.', '')}"
                  + (f", sliding_window {window}" if window else ""))
+        if canary is not None and not canary.isnan().all():
+            raise CheckFailure("your kernel wrote outside `out`", input=where + f"; query strides "
+                               f"{tuple(query.stride())}, out strides {tuple(out.stride())}",
+                               got=f"{int((~canary.isnan()).sum())} values written past the end of out",
+                               hint="store with out's strides (stride_out_token, stride_out_head), not the "
+                                    "query's: in the engine the query is a view into the fused QKV "
+                                    "projection and out is a tensor of its own, so their layouts differ")
         nan_rows = got[:n].isnan().flatten(1).any(1).nonzero().flatten().tolist()
         if nan_rows:
             raise CheckFailure("the output has NaN", input=where, got=f"NaN in token rows {nan_rows}",
@@ -69,8 +79,25 @@ def check_decode_kernel(decode_attention, *, quiet: bool = False) -> CheckResult
              lambda: compare([17, 5, 0, 1], "empty rows", query_lens=[1, 0, 1, 1], seed=4)),
         Case("float16 inputs (accumulate in float32)",
              lambda: compare([9, 40], "float16", dtype=torch.float16, heads=(4, 2), seed=5)),
+        Case("the query and out in different layouts (the query a view into the fused QKV, as in the engine)",
+             lambda: compare([3, 20, 35], "layouts", heads=(4, 2), seed=6, fused_query=True)),
     ]
     return run_checks("check_decode_kernel", cases, quiet=quiet)
+
+
+def _engine_layouts(query: torch.Tensor):
+    """The engine's layouts: the query a view into a fused [tokens, (H + 2 * KV) * D] projection
+    (rows strided by the whole QKV width), out a compact tensor of its own. Out sits at the start
+    of a NaN buffer as long as the fused one, so a kernel that stores with the query's strides
+    writes into that buffer's tail (the canary) instead of past the end of any allocation."""
+    num_tokens, num_heads, head_dim = query.shape
+    width = 2 * num_heads * head_dim   # the query's heads, then room for the keys and values
+    fused = torch.full((num_tokens, width), float("nan"), dtype=query.dtype, device=query.device)
+    fused_query = fused[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    fused_query.copy_(query)
+    backing = torch.full((num_tokens * width,), float("nan"), dtype=query.dtype, device=query.device)
+    out = backing[:query.numel()].view_as(query)
+    return fused_query, out, backing[query.numel():]
 
 
 def _diagnose(got, query, kv_cache, metadata, scale, window, tol) -> str:
@@ -89,6 +116,74 @@ def _diagnose(got, query, kv_cache, metadata, scale, window, tol) -> str:
         wrong = paged_attention_torch(query, kv_cache, metadata, **kwargs)
         if torch.allclose(got.float(), wrong[:n].float(), **tol):
             return hint
+    # Off by one in the mask: the query's own key left out, or a window one key short.
+    off_by_one = [(dict(last=-1), "it matches attention that leaves out the newest key (the query's own): "
+                                  "keys up to AND including query_pos = seq_len - 1 are visible (<=, not <)"),
+                  (dict(first=1), "it matches attention that leaves out the oldest visible key: first_key "
+                                  "itself (0, or query_pos - SLIDING_WINDOW + 1 in a window) is visible "
+                                  "(>=, not >)")]
+    for shift, hint in off_by_one:
+        wrong = _decode_with_shifted_mask(query, kv_cache, metadata, scale, window, **shift)
+        if torch.allclose(got.float(), wrong[:n].float(), **tol):
+            return hint
     return ("check the online softmax: m_new = max(m, max(s)); p = exp(s - m_new); alpha = exp(m - m_new); "
             "l = l * alpha + sum(p); acc = acc * alpha + sum(p[:, None] * v); out = acc / l; and that "
             "kv_head = head // NUM_QUERIES_PER_KV")
+
+
+def _decode_with_shifted_mask(query, kv_cache, metadata, scale, window, *, first=0, last=0):
+    """Decode attention whose visible keys are [first_key + first, query_pos + last]: the
+    reference for a mask that is off by one at either end."""
+    from microvllm.attention.torch_ref import gather_context
+
+    group = query.shape[1] // kv_cache.shape[3]
+    out = torch.zeros_like(query)
+    qsl, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        if qsl[i + 1] == qsl[i]:
+            continue
+        query_pos = seq_len - 1
+        lo = (max(query_pos - window + 1, 0) if window else 0) + first
+        hi = query_pos + last
+        if hi < lo:
+            continue   # no key visible: zeros
+        keys, values = gather_context(kv_cache, metadata.block_table[i], seq_len)
+        keys = keys[lo:hi + 1].repeat_interleave(group, dim=1).float().transpose(0, 1)     # [h, k, d]
+        values = values[lo:hi + 1].repeat_interleave(group, dim=1).float().transpose(0, 1)
+        q = query[qsl[i]].float()[:, None, :]                                               # [h, 1, d]
+        probs = torch.softmax((q @ keys.transpose(1, 2)) * scale, dim=-1)
+        out[qsl[i]] = (probs @ values)[:, 0].to(query.dtype)
+    return out
+
+
+def decode_kernel_preflight(attention_backend: str | None) -> str | None:
+    """Before the engine launches a learner's decode kernel (a registered backend whose
+    ``_decode_attention`` is not the package's): run ``check_decode_kernel`` on it, quietly.
+    None when it passes (or there is no such kernel); else what to say instead of running.
+
+    A kernel that stores with the wrong strides writes past the end of its output tensor;
+    compiled, or in Triton's interpreter, that corrupts memory and the Jupyter kernel dies
+    ("double free or corruption") instead of printing a report."""
+    from microvllm.attention.selector import BUILTIN_BACKENDS, get_attention_backend_class
+
+    if not attention_backend or attention_backend in BUILTIN_BACKENDS or attention_backend == "auto":
+        return None
+    backend = get_attention_backend_class(attention_backend)()
+    kernel = getattr(backend, "_decode_attention", None)
+    if kernel is None or not getattr(backend, "use_decode_kernel", True):
+        return None
+    from microvllm.attention.triton_kernels import decode
+
+    if kernel is decode.decode_attention:
+        return None
+    result = check_decode_kernel(kernel, quiet=True)
+    if result.passed:
+        return None
+    if result.not_implemented:
+        todo = next(c.message for c in result.cases if c.status == "todo")
+        return f"not implemented yet: {todo}\nFinish the exercise above, then run this cell again."
+    first = result.failures[0]
+    return ("✗ not run: your decode kernel fails check_decode_kernel, and launching the engine with it "
+            "could write outside its tensors and crash the Jupyter kernel.\n"
+            f"  ✗ {first.name}\n" + "".join(f"      {line}\n" for line in first.lines)
+            + "Fix the kernel until check_decode_kernel passes, then run this cell again.")

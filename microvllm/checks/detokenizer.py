@@ -93,6 +93,23 @@ def check_detokenizer(detokenizer_class, *, max_examples: int = 40, quiet: bool 
                          input=f"{text!r} without its last token, one token per update()",
                          hint="hold back only an incomplete last character; advance the offsets after each emit")
 
+    def invalid_byte_mid_stream():
+        lead_byte = ids_of("日")[0]   # the first of 日's three UTF-8 bytes, here followed by no other
+        ids = ids_of("Hello ") + [lead_byte] + ids_of(" the capital of France is Paris")
+        counting = _CountingTokenizer(tok)
+        detok = detokenizer_class(counting, [])
+        emitted = "".join(detok.update([i]) for i in ids[:-1])
+        expected = tok.decode(ids[:-1])
+        where = ("'Hello ' + one lone UTF-8 lead byte (invalid for good) + ' the capital of France is "
+                 "Paris', one token per update(), the last one not yet")
+        hint = ("a '\\ufffd' in the middle of the window is a byte no later token can complete: only "
+                "new_text.endswith('\\ufffd') means 'wait for the next token'")
+        expect_equal(emitted, expected, "text after an invalid byte must keep streaming", input=where,
+                     hint=hint)
+        expect(max(counting.lengths) <= 8, "the window must stay short after an invalid byte", input=where,
+               expected="decode() calls of at most 8 ids", got=f"a decode() call of {max(counting.lengths)} ids",
+               hint=hint)
+
     def random_chunks():
         rng = random.Random(0)
         text = " ".join(MULTIBYTE_TEXTS)
@@ -178,6 +195,7 @@ def check_detokenizer(detokenizer_class, *, max_examples: int = 40, quiet: bool 
     cases = [
         Case("one token at a time, multibyte text never shows a half character", one_token_at_a_time),
         Case("text streams as soon as its characters are complete", streams_early),
+        Case("an invalid byte in the middle does not stall the stream", invalid_byte_mid_stream),
         Case("several tokens per update()", random_chunks),
         Case("each step decodes a short window (O(new tokens))", bounded_work),
         Case("a stop string split across tokens cuts the text, nothing is taken back", stop_strings_across_tokens),
@@ -195,6 +213,8 @@ def check_find_stop_string(find_stop_string, *, quiet: bool = False) -> CheckRes
         ("hello world", 5, ["world"], ("world", 6), "a stop string in the new text"),
         ("hello world", 5, ["lo w"], ("lo w", 3), "a stop string that straddles old and new text"),
         ("hello world", 1, ["hello"], None, "old text was searched on an earlier step"),
+        ("hello world", 1, ["worl"], None, "a stop string that ends just before the new text was "
+                                           "searched on an earlier step"),
         ("a stop b halt", 13, ["halt", "stop"], ("stop", 2), "the earliest stop string wins"),
         ("abc", 0, ["abc"], None, "no new characters: nothing to find"),
         ("abc", 3, [], None, "no stop strings"),

@@ -10,9 +10,13 @@ with the engine's own (the reference), same settings, same seeds — and prints 
     scheduler              6 prompts; 3 seats, 16 tokens a step, 6   every step's plan (requests, tokens,
                            usable blocks: chunks, queueing,          preemptions, prefix hits) and the limits
                            preemption, prefix hits
-    block_pool,            5 prompts sharing prefixes in a pool of   every step's plan, block tables, free and
-    kv_cache_manager       5 blocks: hits, revived and evicted       cached blocks; the pool after every call
+    block_pool             5 prompts sharing prefixes in a pool of   every step's plan, block tables, free and
+                           5 blocks: hits, revived and evicted       cached blocks; the pool after every call
                            blocks, preemption
+    kv_cache_manager,      7 prompts in blocks of 8: shared          every step's plan, block tables, free and
+    hash_block_tokens=     prefixes, a block whose tokens recur      cached blocks
+                           after another parent, a salted repeat,
+                           a resumed request's hit on its output
     sampler, model_runner  greedy rows and seeded random rows with   the tokens (a seeded request draws the
                            temperature, top-k, top-p, min-p          same tokens from the same logits)
     token_trie             5 prompts, each under a regex (the        the tokens, and each text matches its
@@ -35,9 +39,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from microvllm.checks.engine_outputs import compare_samples, compare_streams
 from microvllm.checks.engine_steps import (HINT_HITS, HINT_HITS_MANAGER, HINT_HITS_POOL, first_difference,
                                            watch_scheduler)
-from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, WORKLOADS, Workload,
+from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, PREFIX_HASH_RUN, WORKLOADS, Workload,
                                                params_text, sampling_hint)
 from microvllm.checks.pool_watch import POOL_HINTS, watch_block_pool
 from microvllm.checks.report import CheckFailure, explain_exception, not_implemented_message, round_floats
@@ -93,10 +98,16 @@ class _Run:
     trace: object = None
     error: BaseException | None = None
     where: str = ""                                # "at step 3", "while building the engine", ...
+    streamed: dict = field(default_factory=dict)   # request id -> [(step, text shown so far), ...]
 
     def tokens(self, rid: str) -> list[int]:
         out = self.outputs.get(rid)
         return list(out.outputs[0].token_ids) if out is not None else []
+
+    def samples(self, rid: str) -> list[list[int]]:
+        """Every completion's tokens (``n > 1``: each sample has its own seed)."""
+        out = self.outputs.get(rid)
+        return [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)] if out is not None else []
 
     def text(self, rid: str) -> str:
         out = self.outputs.get(rid)
@@ -125,7 +136,10 @@ def _drive(components, workload: Workload, settings: dict, max_tokens: int, arch
                 if max_steps is not None and engine.num_steps >= max_steps:
                     raise AssertionError(f"the requests are not done after {max_steps} steps (the reference "
                                          "needs far fewer): does every step schedule something?")
+                step = engine.num_steps
                 for out in engine.step():
+                    if out.outputs:
+                        run.streamed.setdefault(out.request_id, []).append((step, out.outputs[0].text))
                     if out.finished:
                         run.outputs[out.request_id] = out
                 if check:
@@ -151,13 +165,16 @@ def _reference(workload: Workload, settings: dict, max_tokens: int, arch: str) -
 
 def run_engine_with(components: dict | None = None, *, label: str | None = None, prompts=None,
                     max_tokens: int = 12, compare_text: bool = False, quiet: bool = False,
-                    arch: str = "llama", **settings) -> EngineRunResult:
+                    arch: str = "llama", hash_block_tokens=None, **settings) -> EngineRunResult:
     """Run your ``components`` (and ``settings`` such as ``num_kv_blocks=10`` or
     ``attention_backend="my-decode"``, which override the workload's) in the engine on a
-    workload chosen for them, compare with the reference engine, print the verdict."""
+    workload chosen for them, compare with the reference engine, print the verdict.
+    ``hash_block_tokens``: your block hash, used for every request's block hashes in your run."""
     components = dict(components or {})
-    label = label or ", ".join(f"your {cls.__name__}" for cls in components.values()) or "your code"
-    workload = next((WORKLOADS[name] for name in components if name in WORKLOADS), GREEDY_RUN)
+    label = label or ", ".join([f"your {cls.__name__}" for cls in components.values()]
+                               + (["your hash_block_tokens"] if hash_block_tokens else [])) or "your code"
+    workload = next((WORKLOADS[name] for name in components if name in WORKLOADS),
+                    PREFIX_HASH_RUN if hash_block_tokens else GREEDY_RUN)
     if prompts is not None:
         prompts = tuple(prompts)
         workload = Workload(workload.name, prompts, (workload.params * len(prompts))[:len(prompts)],
@@ -172,10 +189,19 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     if "scheduler" in components:
         components["scheduler"] = watch_scheduler(components["scheduler"])
 
+    if "attention_backend" in settings:   # a learner's kernel is checked before the engine launches it
+        from microvllm.checks.attention import decode_kernel_preflight
+
+        refusal = decode_kernel_preflight(settings["attention_backend"])
+        if refusal is not None:
+            if not quiet:
+                print(refusal)
+            return EngineRunResult(False, message=refusal)
     reference_settings = {k: v for k, v in settings.items() if k != "attention_backend"}
     reference = _reference(workload, reference_settings, max_tokens, arch)
-    yours = _drive(components or None, workload, settings, max_tokens, arch, check=True,
-                   max_steps=4 * len(reference.trace) + 20)
+    with _block_hash(hash_block_tokens):
+        yours = _drive(components or None, workload, settings, max_tokens, arch, check=True,
+                       max_steps=4 * len(reference.trace) + 20)
     if yours.error is not None:
         earlier = None
         if workload.steps and yours.trace is not None:  # a wrong decision may have led to the crash
@@ -185,29 +211,35 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
 
     lines = []
     say = lines.append
-    greedy = all(p == GREEDY for p in workload.params)
+    greedy = all(p.get("temperature", 1.0) == 0.0 for p in workload.params)
     shown = ", ".join(f"{k}={v}" for k, v in settings.items() if k != "max_model_len")
     say(f"The engine with {label} on a tiny random Llama: {len(workload.prompts)} prompts x {max_tokens} "
         + ("greedy tokens" if greedy else "tokens, greedy and seeded sampling") + (f"\n({shown})" if shown else ""))
     ids = [str(i) for i in range(len(workload.prompts))]
     same = True
     for rid, params in zip(ids, workload.params):
+        if params.get("n", 1) > 1:   # many seeded draws from one distribution: every one must match
+            same &= compare_samples(rid, params, reference.samples(rid), yours.samples(rid), say)
+            continue
         ref_ids, got = reference.tokens(rid), yours.tokens(rid)
         ok = ref_ids == got and (not compare_text or reference.text(rid) == yours.text(rid))
         same &= ok
         tokens = ", ".join(map(str, got[:8])) + (", ..." if len(got) > 8 else "")
+        shown_params = "" if greedy and params == GREEDY else f" ({params_text(params)})"
         if "structured_outputs" in params:   # the text says more than the ids
             tokens = repr(yours.text(rid))
             ok &= _matches_so_far(params["structured_outputs"].regex, yours, rid)
             same &= ok
-        say(f"  prompt {rid}{'' if greedy else ' (' + params_text(params) + ')'}: {'✓' if ok else '✗'} [{tokens}]")
+        say(f"  prompt {rid}{shown_params}: {'✓' if ok else '✗'} [{tokens}]")
         if ref_ids != got:
             say(f"      reference: {ref_ids}\n      yours:     {got}")
         elif not ok:
             say(f"      reference text: {reference.text(rid)!r}\n      your text:      {yours.text(rid)!r}")
+    if same and compare_text:   # the same final text: was it also shown at the same steps?
+        same = compare_streams(reference.streamed, yours.streamed, ids, say)
     say("  (" + "; ".join(_notes(yours.trace)) + ")")
     if not same and "sampler" in components:
-        wrong = [reference.tokens(r) != yours.tokens(r) for r in ids]
+        wrong = [reference.samples(r) != yours.samples(r) for r in ids]
         say(f"    hint: {sampling_hint(workload.params, wrong)}")
     difference = None
     if workload.steps:
@@ -250,6 +282,21 @@ def _matches_so_far(pattern: str, run: _Run, rid: str) -> bool:
     dfa = RegexDFA(pattern)
     state = dfa.walk(dfa.start, out.outputs[0].text)
     return dfa.is_accepting(state) if out.outputs[0].finish_reason == "stop" else state != dfa.DEAD
+
+
+@contextlib.contextmanager
+def _block_hash(hash_block_tokens):
+    """Every request's block hashes made with ``hash_block_tokens`` (the one function
+    ``hash_new_full_blocks`` calls), for the duration of one run."""
+    from microvllm.core import kv_cache_utils
+
+    engine_hash = kv_cache_utils.hash_block_tokens
+    if hash_block_tokens is not None:
+        kv_cache_utils.hash_block_tokens = hash_block_tokens
+    try:
+        yield
+    finally:
+        kv_cache_utils.hash_block_tokens = engine_hash
 
 
 def _notes(trace) -> list[str]:

@@ -11,12 +11,22 @@ engine settings chosen so that a wrong component changes the tokens or a step's 
     PREFIX_RUN     5 prompts, three sharing a 16-token prefix; num_kv_blocks=6, budget 32: a hit on a
                    block in use (step 0), preemption, and a hit on a freed block still cached (the
                    fifth prompt): the LRU order decides which blocks are evicted
+    PREFIX_HASH_RUN  7 prompts in blocks of 8; num_kv_blocks=16, budget 32, 4 seats (exercise 04, with
+                   the learner's hash): prompts 0 and 1 share 16 tokens (a hit in step 0); X = A+C, Y = D+B,
+                   then P = A+B, whose second block holds the same tokens as Y's after another parent (a
+                   hash that ignores the parent hits it); X again with prompt_logprobs (its own cache
+                   salt: a hash that ignores extra keys hits it); a request preempted after it generated
+                   a block's worth of tokens resumes with a hit over prompt and output
     SAMPLED_RUN    one greedy prompt and five seeded ones, each with its own filter (top-k, top-p,
-                   min-p, none, all three): a bug in one filter changes that prompt's tokens
+                   min-p, none, all three), then one prompt per filter with n=16 seeded samples at
+                   temperature 1 (192 draws each): a bug in one filter changes that prompt's tokens
+    DETOKENIZER_RUN  the 4 prompts and one more: stop strings that straddle tokens and end just before
+                   min_tokens, seeded prompts whose output splits characters over tokens; the text is
+                   compared after every step, not only at the end
     STRUCTURED_RUN five prompts, each under a regex (structured_outputs_backend="course"), greedy and
                    seeded: a token mask that lets one wrong token through, or forbids a right one,
                    changes what the random model writes (token_trie)
-    GREEDY_RUN     the 4 prompts, greedy: everything else (detokenizer, decode kernel)
+    GREEDY_RUN     the 4 prompts, greedy: everything else (decode kernel)
 """
 
 from __future__ import annotations
@@ -56,11 +66,35 @@ SCHEDULER_RUN = Workload(
 PREFIX_RUN = Workload(
     "prefix cache", tuple(PROMPTS) + ("The scheduler decides which requests run in each step; the block pool",),
     (GREEDY,) * 5, (("num_kv_blocks", 6), ("max_num_batched_tokens", 32)), steps=True, blocks=True)
+_A, _B, _C, _D = (list(range(start, start + 8)) for start in (100, 200, 300, 400))   # one block each
+PREFIX_HASH_RUN = Workload(
+    "prefix cache and hash",
+    (PROMPTS[0], PROMPTS[1], {"prompt_token_ids": _A + _C + [1, 2, 3]}, {"prompt_token_ids": _D + _B + [4, 5]},
+     PROMPTS[2], {"prompt_token_ids": _A + _B + [6, 7, 8]}, {"prompt_token_ids": _A + _C + [1, 2, 3]}),
+    (GREEDY,) * 6 + ({"temperature": 0.0, "prompt_logprobs": 1},),
+    (("block_size", 8), ("num_kv_blocks", 16), ("max_num_batched_tokens", 32), ("max_num_seqs", 4)),
+    steps=True, blocks=True)
 SAMPLED_PARAMS = (GREEDY, dict(temperature=0.8, top_k=3, seed=11), dict(temperature=0.3, top_p=0.6, seed=12),
                   dict(temperature=0.5, min_p=0.5, seed=13), dict(temperature=1.0, seed=14),
                   dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.1, seed=15))
-SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable"),
-                       SAMPLED_PARAMS, (("max_num_batched_tokens", 32),))
+# Many seeded draws per filter, at temperature 1 where each filter cuts off much of the mass: a
+# sampler that ignores a filter (or applies it slightly wrong) draws other tokens in some of them.
+MANY_DRAWS = (dict(temperature=1.0, top_k=5, seed=21, n=16), dict(temperature=1.0, top_p=0.5, seed=22, n=16),
+              dict(temperature=1.0, min_p=0.2, seed=23, n=16))
+SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable",
+                                                    "Top-k keeps", "Top-p keeps", "Min-p keeps"),
+                       SAMPLED_PARAMS + MANY_DRAWS, (("max_num_batched_tokens", 32),))
+# The tiny model's own output (checked by tests/course/test_engine_run.py, which fails if it drifts):
+# greedy prompt 0 writes "\x1c" "it" "er" "(" ...: the stop string "ter(" straddles three tokens;
+# greedy prompt 1 writes "The" " plan" ...: with min_tokens=2 the search starts after " plan", so the
+# stop string "plan", which ends exactly there, must not count (but the engine's output processor does
+# not pass min_tokens to the detokenizer yet, so today it does count, for the reference too; when that
+# is fixed, this prompt runs on and a search one character too early fails it); the seeded prompts 2 and 4 write
+# characters split over two tokens ("ֱ", "܄") and genuinely invalid bytes between them.
+DETOKENIZER_RUN = Workload(
+    "detokenizer", tuple(PROMPTS) + (PROMPTS[0],),
+    ({"temperature": 0.0, "stop": ["ter("]}, {"temperature": 0.0, "min_tokens": 2, "stop": ["plan"]},
+     {"temperature": 1.0, "seed": 2}, GREEDY, {"temperature": 1.0, "seed": 1}))
 STRUCTURED_PATTERNS = (r"[0-9]{3}-[0-9]{4}", r'\{"name": "[a-z]{1,8}", "age": [0-9]{1,2}\}', r"(yes|no|maybe)",
                        r"[A-Z][a-z]+( [a-z]+){1,4}\.", r"(0|[1-9][0-9]*)\.[0-9]{2} (EUR|USD)")
 STRUCTURED_RUN = Workload(
@@ -69,16 +103,17 @@ STRUCTURED_RUN = Workload(
                structured_outputs=StructuredOutputsParams(regex=pattern))
           for i, pattern in enumerate(STRUCTURED_PATTERNS)),
     (("structured_outputs_backend", "course"),))
-WORKLOADS = {"scheduler": SCHEDULER_RUN, "block_pool": PREFIX_RUN, "kv_cache_manager": PREFIX_RUN,
-             "sampler": SAMPLED_RUN, "model_runner": SAMPLED_RUN, "block_table": SAMPLED_RUN,
-             "token_trie": STRUCTURED_RUN}
+WORKLOADS = {"detokenizer": DETOKENIZER_RUN, "scheduler": SCHEDULER_RUN, "block_pool": PREFIX_RUN,
+             "kv_cache_manager": PREFIX_HASH_RUN, "sampler": SAMPLED_RUN, "model_runner": SAMPLED_RUN,
+             "block_table": SAMPLED_RUN, "token_trie": STRUCTURED_RUN}
 
 
 def params_text(params: dict) -> str:
     structured = params.get("structured_outputs")
     regex = f"regex {structured.regex!r}, " if structured is not None else ""
     if params.get("temperature", 1.0) == 0.0:
-        return regex + "greedy"
+        return regex + ", ".join(["greedy"] + [f"{k}={v}" for k, v in params.items()
+                                               if k not in ("temperature", "structured_outputs")])
     return regex + ", ".join(f"{k}={v}" for k, v in params.items() if k != "structured_outputs")
 
 
@@ -96,12 +131,14 @@ def sampling_hint(params: tuple[dict, ...], wrong: list[bool]) -> str:
         return "the tokens are the same but the text differs: look at the detokenizer"
     if any(bad and p == GREEDY for p, bad in zip(params, wrong)):
         return "greedy rows must take logits.argmax(dim=-1), exactly"
-    sampled = [(set(p) - {"temperature", "seed"}, bad) for p, bad in zip(params, wrong) if p != GREEDY]
-    if all(bad for _, bad in sampled):
+    sampled = [(set(p) - {"temperature", "seed", "n"}, bad, p.get("n", 1) > 1)
+               for p, bad in zip(params, wrong) if p != GREEDY]
+    if all(bad for _, bad, _ in sampled):
         return ("every sampled prompt differs: divide by the temperature, then draw each seeded row's noise "
                 "from its own generator (generators[row]), the others from self.generator")
-    suspects = set.intersection(*[keys for keys, bad in sampled if bad])
-    suspects -= set().union(*[keys for keys, bad in sampled if not bad and len(keys) == 1])  # proven right
+    suspects = set.intersection(*[keys for keys, bad, _ in sampled if bad])
+    # A filter is proven right only by many draws that all matched (a few tokens prove little).
+    suspects -= set().union(*[keys for keys, bad, many in sampled if not bad and many and len(keys) == 1])
     if suspects:
         return "; ".join(FILTER_HINTS[name] for name in sorted(suspects) if name in FILTER_HINTS)
     return ("the prompts that differ share no filter that the others lack: check how temperature "

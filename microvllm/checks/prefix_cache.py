@@ -179,6 +179,24 @@ def check_get_computed_blocks(manager_class, *, max_examples: int = 60,
                      input="a = tokens 0..8 admitted and freed; b = the same tokens",
                      hint="get_cached_block() finds free cached blocks too")
 
+    def resumed_after_preemption():
+        kv = manager()
+        a = make_request("a", list(range(5)), B)
+        admit(kv, a)
+        for token in range(5, 13):   # 8 generated tokens, one decode step each
+            a.append_output_token_ids(token)
+            kv.allocate_slots(a, 1)
+            a.num_computed_tokens += 1
+        kv.free(a)                   # preempted: its blocks are freed, their hashes stay
+        a.num_computed_tokens = 0
+        blocks, num_hit = lookup(kv, a, "request a again")
+        expect_equal((num_hit, blocks.get_block_ids()), (12, ([1, 2, 3],)),
+                     "a request resumed after preemption hits its generated tokens' blocks too",
+                     input="a = 5 prompt tokens + 8 generated (13 tokens, blocks 0..3, 4..7, 8..11 full "
+                           "and cached), preempted, then looked up again",
+                     hint="the hit is capped by request.num_tokens - 1 (prompt AND output tokens), not by "
+                          "the prompt's length: a resumed request recomputes everything it does not hit")
+
     def stops_at_the_first_miss():
         kv = manager()
         a = make_request("a", list(range(12)), B)
@@ -243,6 +261,7 @@ def check_get_computed_blocks(manager_class, *, max_examples: int = 60,
     cases = [
         Case("a hit never covers the last token", never_the_last_token),
         Case("freed blocks that keep their hash still hit", freed_blocks_still_hit),
+        Case("a request resumed after preemption hits its output tokens too", resumed_after_preemption),
         Case("a hit stops at the first missing block", stops_at_the_first_miss),
         Case("a lookup touches nothing", no_touching),
         Case("no hits with caching off, or with another cache salt", caching_off_and_salt),

@@ -140,14 +140,19 @@ class CheckResult:
                 lines.append(f"  · {message}  ({count} check{'s' if count > 1 else ''} wait for it)")
         else:
             lines.append(f"{self.component}: {total} checks")
+        first_failure = next((c for c in self.cases if c.status == FAIL), None)
         for case in self.cases:
             if case.status == PASS and not todos:
                 lines.append(f"  ✓ {case.name}")
             elif case.status == SKIP:
                 lines.append(f"  - {case.name}: skipped, {case.message}")
-            elif case.status == FAIL:
+            elif case.status == FAIL and case is first_failure:
                 lines.append(f"  ✗ {case.name}")
                 lines += [f"      {line}" for part in case.lines for line in part.splitlines()]
+            elif case.status == FAIL:
+                # One bug often fails several checks: explain the first, name the others.
+                what = case.lines[0] if case.lines else "failed"
+                lines.append(f"  ✗ {case.name}: " + (what if len(what) <= 80 else what[:79] + "…"))
         if todos:
             lines.append(f"  {num_passed} of {total} checks pass so far: write the missing code, "
                          "then run this cell again.")
@@ -155,9 +160,12 @@ class CheckResult:
             num_skipped = sum(c.status == SKIP for c in self.cases)
             lines.append(f"All {total} checks pass." if not num_skipped else
                          f"All {total - num_skipped} checks that ran pass ({num_skipped} skipped).")
+        elif len(self.failures) == 1:
+            lines.append(f"{num_passed} of {total} checks pass; 1 fails (see ✗ above).")
         else:
-            lines.append(f"{num_passed} of {total} checks pass; {len(self.failures)} "
-                         f"fail{'s' if len(self.failures) == 1 else ''} (see ✗ above).")
+            lines.append(f"{num_passed} of {total} checks pass; {len(self.failures)} fail. Fix the first ✗ "
+                         "(explained above) and run the check again: the others often have the same cause "
+                         "(print(result.message) explains them all).")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -198,19 +206,41 @@ def _run_case(case: Case, hints: list[tuple[str, str]]) -> CaseResult:
         todo = not_implemented_message(exc)
         if todo is not None:
             return CaseResult(case.name, TODO, [todo])
-        lines = explain_exception(exc)
-        text = "\n".join(lines)
-        if not (isinstance(exc, CheckFailure) and exc.hint):
-            for pattern, hint in hints:
-                if re.search(pattern, text):
-                    lines.append(f"hint:     {hint}")
-                    break
-        notes = _failing_example(exc)
-        if notes and not (isinstance(exc, CheckFailure) and exc.input is not None):
-            lines.append("the failing example (shrunk by hypothesis):")
-            lines += [f"    {n}" for n in trim_lines(notes)]
+        failures = _distinct_failures(exc)
+        if len(failures) == 1:
+            lines = _explain_failure(failures[0], hints)
+        else:   # hypothesis found several different bugs: each with its own smallest input
+            lines = [f"hypothesis found {len(failures)} different failures; each with its smallest "
+                     "failing input:"]
+            for number, failure in enumerate(failures, 1):
+                first, *rest = _explain_failure(failure, hints)
+                lines += [f"({number}) {first}"] + [f"    {line}" for line in rest]
         return CaseResult(case.name, FAIL, [round_floats(line) for line in lines])
     return CaseResult(case.name, PASS)
+
+
+def _distinct_failures(exc: BaseException) -> list[BaseException]:
+    """Hypothesis reports several distinct bugs as an ExceptionGroup (a NotImplementedError
+    was looked for before): its leaves, each carrying its own shrunk example; else [exc]."""
+    subs = getattr(exc, "exceptions", None)   # an ExceptionGroup (the backport on Python 3.10)
+    if not isinstance(subs, tuple) or not subs:
+        return [exc]
+    return [leaf for sub in subs for leaf in _distinct_failures(sub)]
+
+
+def _explain_failure(exc: BaseException, hints: list[tuple[str, str]]) -> list[str]:
+    lines = explain_exception(exc)
+    text = "\n".join(lines)
+    if not (isinstance(exc, CheckFailure) and exc.hint):
+        for pattern, hint in hints:
+            if re.search(pattern, text):
+                lines.append(f"hint:     {hint}")
+                break
+    notes = _failing_example(exc)
+    if notes and not (isinstance(exc, CheckFailure) and exc.input is not None):
+        lines.append("the failing example (shrunk by hypothesis):")
+        lines += [f"    {n}" for n in trim_lines(notes)]
+    return lines
 
 
 def _failing_example(exc: BaseException) -> list[str]:

@@ -115,6 +115,26 @@ def check_scheduler(scheduler_class, *, max_examples: int = 60, quiet: bool = Fa
             expect_equal(generated(records, rid), [feeder_token(rid, 8 + i) for i in range(10)],
                          f"request {rid} must still produce its 10 tokens after preemption", input=what)
 
+    def no_admission_after_preemption():
+        # Caching off and a budget of 4: once b is preempted, 3 of its blocks are free and a 3-token
+        # chunk of b would fit, but a step that preempted must not take blocks straight back.
+        s, runner = scheduler(num_blocks=5, max_num_batched_tokens=4, enable_caching=False)
+        s.add_request(make_request("a", list(range(4)), B, max_tokens=8))
+        s.add_request(make_request("b", list(range(100, 108)), B, max_tokens=4))
+        records = []
+        while not any(r.output.preempted_req_ids for r in records):
+            expect(len(records) < 50, "no preemption although a and b outgrow 4 usable blocks",
+                   input="a: 4 tokens, max_tokens=8; b: 8 tokens, max_tokens=4; 4 usable blocks; budget 4")
+            records += run_steps(s, runner, until_done=False, num_steps=1)
+        out = records[-1].output
+        expect_equal([r.req_id for r in out.scheduled_new_reqs], [],
+                     "a step that preempted admits no waiting request, even one whose chunk would fit",
+                     input=f"a: 4 tokens, max_tokens=8; b: 8 tokens, max_tokens=4; 4 usable blocks of 4, "
+                           f"budget 4, prefix caching off; step {len(records) - 1} preempts b",
+                     hint="skip the waiting queue when anything was preempted this step: admitting the "
+                          "victim again at once only hands its blocks back and forth")
+        run_steps(s, runner)
+
     def preempts_itself():
         s, runner = scheduler(num_blocks=6, max_num_batched_tokens=32)  # 5 usable blocks
         s.add_request(make_request("a", [1] * 8, B, max_tokens=6))
@@ -195,6 +215,7 @@ def check_scheduler(scheduler_class, *, max_examples: int = 60, quiet: bool = Fa
         Case("a decode and a prefill chunk share one step", mixed_step),
         Case("six requests never exceed a budget of 8 tokens per step", budget_with_many_requests),
         Case("preemption takes the newest request, frees it, requeues it in front", preempts_the_newest),
+        Case("a step that preempted admits no one, even when a chunk would fit", no_admission_after_preemption),
         Case("the request being scheduled can be the one preempted", preempts_itself),
         Case("a new request starts after its prefix-cache hit", prefix_hits_at_admission),
         Case("a request that can never fit raises instead of spinning", no_progress_raises),

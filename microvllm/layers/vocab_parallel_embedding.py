@@ -84,8 +84,10 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(embeddings)
 
     def extra_repr(self) -> str:
-        return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
-                f"this rank: tokens {self.shard.start}..{self.shard.end}")
+        text = f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+        if self.tp_size > 1:   # one process holds every row: no shard to speak of (notebook 02)
+            text += f", this rank: tokens {self.shard.start}..{self.shard.end}"
+        return text
 
 
 class ParallelLMHead(Linear):

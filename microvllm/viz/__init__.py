@@ -7,6 +7,7 @@
                                      preempted; one chip per request in its colour (the legend)
     plot_timeline(trace, step=None)  the whole run: tokens per step, budget, free blocks, preemptions
     plot_step(trace, step)           all of the above in one figure
+    plot_decoder_layer(model)        one decoder layer's data flow with the model's shapes (no trace)
     StepExplorer(llm_or_trace)       Play button + slider over the steps (ipywidgets);
                                      preset="projector" and scale=1.5 for a big screen
     demo_trace(kind)                 small traces from the real scheduler, no model needed
@@ -19,6 +20,7 @@ from microvllm.viz.batch import plot_batch
 from microvllm.viz.block_pool import plot_block_pool
 from microvllm.viz.block_table import plot_block_tables
 from microvllm.viz.colors import request_colors
+from microvllm.viz.decoder_layer import plot_decoder_layer
 from microvllm.viz.demo import demo_trace, large_demo_trace
 from microvllm.viz.explorer import StepExplorer
 from microvllm.viz.queues import plot_queues
@@ -27,4 +29,4 @@ from microvllm.viz.summary import describe_step
 from microvllm.viz.timeline import plot_timeline
 
 __all__ = ["StepExplorer", "demo_trace", "describe_step", "large_demo_trace", "plot_batch", "plot_block_pool",
-           "plot_block_tables", "plot_queues", "plot_step", "plot_timeline", "request_colors"]
+           "plot_block_tables", "plot_decoder_layer", "plot_queues", "plot_step", "plot_timeline", "request_colors"]

@@ -88,7 +88,7 @@ def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
     ax.plot([0] * len(s.preempted), range(first, first + len(s.preempted)), marker="X", markersize=10,
             color=colors.PREEMPT_COLOR, linestyle="none", clip_on=False, gid="preempted")
     labels = [f"{r.request_id}: {describe_request_step(r, r.request_id in seen_before)}" for r in batch]
-    labels += [f"{rid}: preempted (blocks freed, re-queued)" for rid in s.preempted]
+    labels += [f"{rid}: preempted" for rid in s.preempted]   # short: it sits beside the block pool panel
     if standalone:                                  # leave room on the left for the labels
         width, height = fig.get_size_inches()
         names = (label_width_points(labels, 8) + 12) / 72

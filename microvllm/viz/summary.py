@@ -30,11 +30,17 @@ def describe_step(trace: Trace, step: int) -> list[str]:
     if s.allowed_fraction:
         lines.append("Grammar masks: " + ", ".join(f"{rid} may sample {fraction:.1%} of the vocabulary"
                                                    for rid, fraction in s.allowed_fraction.items()) + ".")
-    if s.allocated_blocks:
-        lines.append(f"Allocated: block(s) {_ids(s.allocated_blocks)}.")
-    if s.freed_blocks:
-        lines.append("Freed: " + "; ".join(f"block(s) {_ids(blocks)} ({why})"
-                                           for why, blocks in freed_blocks_by_reason(trace, step).items()) + ".")
+    # In the order they happened: a preempted request's blocks are freed while the step is
+    # planned, before the survivors get theirs; finished requests free theirs after the step.
+    freed = freed_blocks_by_reason(trace, step)
+    first = {why: blocks for why, blocks in freed.items() if why.endswith(" preempted")}
+    for group in (first, None, {why: blocks for why, blocks in freed.items() if why not in first}):
+        if group is None:
+            if s.allocated_blocks:
+                lines.append(f"Allocated: block(s) {_ids(s.allocated_blocks)}.")
+        elif group:
+            lines.append("Freed: " + "; ".join(f"block(s) {_ids(blocks)} ({why})" for why, blocks in group.items())
+                         + ".")
     cached_free = sum(1 for b, free in enumerate(s.free) if free and s.block_hashes[b] is not None)
     shared = sum(1 for b, n in enumerate(s.ref_cnts) if n > 1)
     lines.append(f"Pool: {s.num_free_blocks} of {trace.num_blocks - 1} blocks free ({cached_free} still cached), "

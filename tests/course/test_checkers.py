@@ -184,6 +184,19 @@ class GroupsNeverRetry(KVCacheManager):
         return KVCacheBlocks(tuple(b[:shortest] for b in hits)), shortest * self.block_size
 
 
+class HitsCappedByThePrompt(KVCacheManager):
+    """Caps the hit by the prompt's length: a request resumed after preemption loses the
+    blocks of the tokens it generated."""
+
+    def get_computed_blocks(self, request):
+        if not self.enable_caching:
+            return self.create_empty_block_list(), 0
+        hits = [m.find_longest_cache_hit(request.block_hashes, request.num_prompt_tokens - 1)
+                for m in self.single_type_managers]
+        shortest = min(len(b) for b in hits)
+        return KVCacheBlocks(tuple(b[:shortest] for b in hits)), shortest * self.block_size
+
+
 class HitsTodo(KVCacheManager):
     def get_computed_blocks(self, request):
         raise NotImplementedError("KVCacheManager.get_computed_blocks: find the hit")
@@ -193,6 +206,8 @@ def test_get_computed_blocks_checker():
     assert checks.check_get_computed_blocks(KVCacheManager, quiet=True).passed
     caught(checks.check_get_computed_blocks(HitsTheLastToken, quiet=True), r"never cover the last token")
     caught(checks.check_get_computed_blocks(GroupsNeverRetry, quiet=True), r"must all retry at the shortest hit")
+    caught(checks.check_get_computed_blocks(HitsCappedByThePrompt, quiet=True),
+           r"resumed after preemption hits its generated tokens.*not by the prompt's length")
     todo(checks.check_get_computed_blocks(HitsTodo, quiet=True))
 
 
@@ -206,6 +221,9 @@ def test_scheduler_checker():
     caught(checks.check_scheduler(preempts_oldest, quiet=True), r"the most recently admitted request is preempted")
     too_many_seats = mutant(scheduler_module, [(" and len(self.running) < self.max_num_seqs", "")]).Scheduler
     caught(checks.check_scheduler(too_many_seats, quiet=True), r"requests run but max_num_seqs is 2")
+    admits_after_preempting = mutant(scheduler_module, [("while not preempted and self.waiting", "while self.waiting")]).Scheduler
+    caught(checks.check_scheduler(admits_after_preempting, quiet=True),
+           r"a step that preempted admits no waiting request, even one whose chunk would fit")
     forgets_cached = mutant(scheduler_module, [("request.num_cached_tokens = num_hit_tokens", "pass")]).Scheduler
     caught(checks.check_scheduler(forgets_cached, quiet=True), r"records its prefix-cache hit in num_cached_tokens")
 
@@ -299,6 +317,18 @@ def test_decode_kernel_checker():
     no_window = mutant(decode_module, [("first_key = tl.maximum(query_pos - SLIDING_WINDOW + 1, 0)", "first_key = 0")])
     caught(checks.check_decode_kernel(no_window.decode_attention, quiet=True),
            r"sliding window that starts.*WITHOUT the sliding window")
+    misses_own_key = mutant(decode_module, [("visible = (key_pos >= first_key) & (key_pos <= query_pos)",
+                                             "visible = (key_pos >= first_key) & (key_pos < query_pos)")])
+    caught(checks.check_decode_kernel(misses_own_key.decode_attention, quiet=True),
+           r"leaves out the newest key.*\(<=, not <\)")
+    misses_first_key = mutant(decode_module, [("visible = (key_pos >= first_key) & (key_pos <= query_pos)",
+                                            "visible = (key_pos > first_key) & (key_pos <= query_pos)")])
+    caught(checks.check_decode_kernel(misses_first_key.decode_attention, quiet=True),
+           r"leaves out the oldest visible key.*\(>=, not >\)")
+    query_strides = mutant(decode_module, [("tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims",
+                                            "tl.store(out_ptr + token * stride_query_token + head * stride_query_head + dims")])
+    caught(checks.check_decode_kernel(query_strides.decode_attention, quiet=True),
+           r"your kernel wrote outside `out`.*store with out's strides")
     unwritten = mutant(decode_module, [("    ### BEGIN SOLUTION\n    # A query that saw no key",
                                         "    raise NotImplementedError(\"decode_attention_kernel: store\")\n"
                                         "    # A query that saw no key")])
@@ -323,6 +353,20 @@ class DecodesEverything(IncrementalDetokenizer):
         return new_text[len(prefix_text):]
 
 
+class StallsOnAnyReplacementChar(IncrementalDetokenizer):
+    """Waits whenever the window holds a '\ufffd' anywhere, not only at its end: one invalid
+    byte then stalls the stream and the window grows without bound."""
+
+    def _decode_next(self):
+        tokens = self.output_token_ids
+        prefix_text = self._decode(tokens[self.prefix_offset:self.read_offset])
+        new_text = self._decode(tokens[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or "\ufffd" in new_text:
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
+        return new_text[len(prefix_text):]
+
+
 def stop_in_new_text_only(output_text, new_char_count, stop):
     """Searches only the new characters: misses a stop string that straddles old and new."""
     if new_char_count <= 0:
@@ -336,6 +380,8 @@ def test_detokenizer_checker():
     assert checks.check_detokenizer(IncrementalDetokenizer, quiet=True).passed
     caught(checks.check_detokenizer(DecodesEachTokenAlone, quiet=True), r"a delta showed a half character")
     caught(checks.check_detokenizer(DecodesEverything, quiet=True), r"each step must decode a short window")
+    caught(checks.check_detokenizer(StallsOnAnyReplacementChar, quiet=True),
+           r"text after an invalid byte must keep streaming.*only new_text.endswith")
 
     class Todo(IncrementalDetokenizer):
         def _decode_next(self):
@@ -348,6 +394,10 @@ def test_find_stop_string_checker():
     caught(checks.check_find_stop_string(stop_in_new_text_only, quiet=True), r"straddles old and new text")
     latest = mutant(detokenizer_module, [("index < best[1]", "index > best[1]")]).find_stop_string
     caught(checks.check_find_stop_string(latest, quiet=True), r"the earliest stop string wins")
+    one_too_early = mutant(detokenizer_module, [("len(output_text) - new_char_count - len(stop_string) + 1",
+                                                 "len(output_text) - new_char_count - len(stop_string)")])
+    caught(checks.check_find_stop_string(one_too_early.find_stop_string, quiet=True),
+           r"ends just before the new text was searched on an earlier step")
 
 
 # ------------------------------------------------------------------ the report
@@ -445,3 +495,35 @@ def test_a_long_shrunk_example_is_trimmed():
     lines = result.failures[0].lines
     assert lines[0] == "the pool leaked a block" and len(lines) <= 9, lines
     assert "    state.operation_0()" in lines and "    ... (24 more)" in lines and lines[-1] == "    state.operation_29()"
+
+
+def test_a_cascade_explains_its_first_failure_and_names_the_others():
+    """One bug (a free queue that forgets its counter, under a correct pool) fails all 9 pool
+    checks: the report explains the first (the root cause) and gives the others one line each."""
+    over_broken_queue = mutant(block_pool_module, FreeKVCacheBlockQueue=QueueForgetsCounter).BlockPool
+    result = checks.check_block_pool(over_broken_queue, quiet=True)
+    report = result.report()
+    assert len(result.failures) == 9 and report.count("  ✗ ") == 9, report
+    assert report.count("hint:") == 1 and "fix the free queue first" in report, report
+    assert len(report) < 1700, report   # every explanation in full: about 2,900
+    assert "Fix the first ✗" in report and len(result.message) > len(report), report
+
+
+def hash_uint16(parent, token_ids, extra_keys=None):
+    """Packs token ids as uint16: a wrong digest for small ids, struct.error for ids >= 65536."""
+    import struct
+    from microvllm.core.kv_cache_utils import ROOT_BLOCK_HASH, _encode_extra_keys
+
+    parent = ROOT_BLOCK_HASH if parent is None else parent
+    payload = bytes(parent) + struct.pack(f"<{len(token_ids)}H", *token_ids)
+    if extra_keys:
+        payload += b"|" + _encode_extra_keys(extra_keys)
+    return BlockHash(hashlib.sha256(payload).digest())
+
+
+def test_hypothesis_distinct_failures_each_show_their_smallest_input():
+    result = checks.check_hash_block_tokens(hash_uint16, quiet=True)
+    caught(result, r"hypothesis found 2 different failures; each with its smallest failing input:"
+                   r".*\(1\) your code raised error: ushort format.*blocks=\[\(\[65536\], None\)\]"
+                   r".*\(2\) a chain of blocks hashed differently.*input: +blocks .* = \[\(\[0\], None\)\]")
+    assert "ExceptionGroup" not in result.message, result.message

@@ -180,6 +180,17 @@ def test_a_sampler_that_ignores_min_p_is_caught():
     caught({"sampler": sampler}, r"prompt 3 \(temperature=0\.5, min_p=0\.5, seed=13\): ✗.*hint: .*min-p")
 
 
+@pytest.mark.parametrize("name, prompt", [("apply_top_k", 6), ("apply_top_p", 7), ("apply_min_p", 8)])
+def test_a_sampler_that_ignores_a_filter_entirely_fails_its_many_draws(name, prompt):
+    """Each filter has a prompt with 16 seeded samples at temperature 1, where the filter cuts
+    off much of the mass: ignoring it changes draws there (top-p used to pass: its only
+    prompt sampled at temperature 0.3, where the nucleus rarely matters)."""
+    sampler = mutant(sampler_module, **{name: lambda logits, value: logits}).Sampler
+    filter_name = name.removeprefix("apply_")
+    caught({"sampler": sampler}, rf"prompt {prompt} \(temperature=1\.0, {filter_name}=[\d.]+, seed=\d+, n=16\): "
+                                 rf"✗ \d+ of 16 samples differ.*hint: .*({filter_name}|{filter_name.replace('_', '-')})")
+
+
 # ----------------------------------------------------------------- model runner
 
 def test_the_model_runner_cell_runs_seeded_rows_and_still_catches_wrong_positions():
@@ -223,3 +234,128 @@ def test_a_token_trie_that_checks_only_first_characters_changes_the_outputs():
     result = run_engine_with({"token_trie": TrieFirstCharacterOnly}, quiet=True)
     assert not result.same, result.message
     assert re.search(r"✗ Your code changed what the engine generates", result.message), result.message
+
+
+# ---------------------------------------------------------------- decode kernel
+
+def test_a_decode_kernel_that_fails_its_checker_is_not_launched():
+    """A kernel that stores with the query's strides writes past the end of the engine's
+    output tensor (the query is a view into the fused QKV): the engine cell must refuse to
+    launch it, with the checker's reason, instead of letting it corrupt memory."""
+    import microvllm.attention.triton_kernels.decode as decode_module
+    from microvllm.attention import register_backend
+    from microvllm.attention.triton_backend import TritonAttentionBackend
+
+    query_strides = mutant(decode_module, [
+        ("tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims",
+         "tl.store(out_ptr + token * stride_query_token + head * stride_query_head + dims")])
+
+    @register_backend("test-wrong-strides-decode")
+    class WrongStrides(TritonAttentionBackend):
+        def __init__(self):
+            super().__init__(use_decode_kernel=True)
+            self._decode_attention = query_strides.decode_attention
+
+    result = run_engine_with(attention_backend="test-wrong-strides-decode", quiet=True, max_tokens=2,
+                             prompts=["Hi"])
+    assert not result.same and result.yours == [], result.message
+    assert re.search(r"✗ not run: your decode kernel fails check_decode_kernel.*wrote outside `out`",
+                     result.message, re.S), result.message
+
+
+# ------------------------------------------------------------ prefix cache + hash
+
+def test_the_package_hash_and_manager_pass_and_the_learners_hash_is_used():
+    from microvllm.core import kv_cache_utils
+
+    calls, engine_hash = [], kv_cache_utils.hash_block_tokens
+
+    def counting_hash(parent, token_ids, extra_keys=None):
+        calls.append(1)
+        return engine_hash(parent, token_ids, extra_keys)
+    result = run_engine_with({"kv_cache_manager": KVCacheManager}, hash_block_tokens=counting_hash, quiet=True)
+    assert result.same and "✗" not in result.message, result.message
+    assert calls, "the engine cell never called the learner's hash_block_tokens"
+    assert kv_cache_utils.hash_block_tokens is not counting_hash   # restored after the run
+
+
+def test_a_hit_capped_by_the_prompt_is_caught_on_the_resumed_request():
+    from tests.course.test_checkers import HitsCappedByThePrompt
+
+    caught({"kv_cache_manager": HitsCappedByThePrompt}, r"planned a different batch.*prefix hit")
+
+
+@pytest.mark.parametrize("name", ["hash_without_parent", "hash_ignoring_extra_keys"])
+def test_a_hash_that_fails_its_checker_fails_the_engine_cell(name):
+    import tests.course.test_checkers as checker_tests
+
+    result = run_engine_with({"kv_cache_manager": KVCacheManager}, hash_block_tokens=getattr(checker_tests, name),
+                             quiet=True)
+    assert not result.same and re.search(r"step \d+: your KVCacheManager.*planned a different batch",
+                                         result.message, re.S), result.message
+
+
+# ------------------------------------------------------------------ detokenizer
+
+def test_the_detokenizer_workload_exercises_its_rules():
+    """The workload's properties come from the tiny model's own output: if it drifts, say so."""
+    from microvllm.checks.engine_run import _reference, tiny_model_folder
+    from microvllm.checks.engine_workloads import DETOKENIZER_RUN
+    from microvllm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(str(tiny_model_folder("llama")))
+    reference = _reference(DETOKENIZER_RUN, {"max_model_len": 128}, 12, "llama")
+
+    def texts(rid):   # the text after each token
+        ids = reference.tokens(rid)
+        return [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+    # prompt 0: "ter(" ends the text, and no single token's text held all of it
+    assert reference.outputs["0"].outputs[0].stop_reason == "ter(", reference.text("0")
+    assert "ter(" in tok.decode(reference.tokens("0")), texts("0")
+    assert not any("ter(" in tok.decode([t]) for t in reference.tokens("0")), texts("0")
+    # prompt 1: "plan" ends exactly where the text of the first min_tokens = 2 tokens ends
+    assert texts("1")[1].endswith("plan"), texts("1")
+    # prompts 2 and 4: a character split over two tokens (half of it decodes to '\ufffd')
+    for rid, char in (("2", "ֱ"), ("4", "܄")):
+        out = texts(rid)
+        assert any(a.endswith("\ufffd") and b == a[:-1] + char for a, b in zip(out, out[1:])), out
+
+
+def test_the_package_detokenizer_passes_with_text_compared_after_every_step():
+    from microvllm.detokenizer import IncrementalDetokenizer
+
+    result = run_engine_with({"detokenizer": IncrementalDetokenizer}, quiet=True)
+    assert result.same and "✗" not in result.message, result.message
+
+
+def test_a_detokenizer_that_shows_half_characters_is_caught():
+    from tests.course.test_checkers import DecodesEachTokenAlone
+
+    caught({"detokenizer": DecodesEachTokenAlone}, r"prompt 2 \(temperature=1\.0, seed=2\): ✗",
+           same_greedy_tokens=False)
+
+
+def test_a_detokenizer_that_stalls_after_an_invalid_byte_is_caught_by_the_streamed_text():
+    from tests.course.test_checkers import StallsOnAnyReplacementChar
+
+    caught({"detokenizer": StallsOnAnyReplacementChar},
+           r"✗ prompt 2, step 2: the same final text, but not streamed at the same time.*"
+           r"reference had shown '\ufffdֱ'.*yours had shown +''", same_greedy_tokens=False)
+
+
+def test_a_stop_string_search_of_the_new_text_only_is_caught():
+    import microvllm.detokenizer as detokenizer_module
+    from tests.course.test_checkers import stop_in_new_text_only
+
+    detokenizer = mutant(detokenizer_module, find_stop_string=stop_in_new_text_only).IncrementalDetokenizer
+    caught({"detokenizer": detokenizer}, r"prompt 0 \(greedy, stop=\['ter\('\]\): ✗", same_greedy_tokens=False)
+
+
+@pytest.mark.xfail(strict=True, reason="the engine's output processor does not pass min_tokens to the "
+                                       "detokenizer, so the reference counts the stop string too")
+def test_a_stop_string_search_one_character_too_early_is_caught_after_min_tokens():
+    import microvllm.detokenizer as detokenizer_module
+
+    detokenizer = mutant(detokenizer_module, [("len(output_text) - new_char_count - len(stop_string) + 1",
+                                               "len(output_text) - new_char_count - len(stop_string)")])
+    caught({"detokenizer": detokenizer.IncrementalDetokenizer}, r"prompt 1 \(greedy, min_tokens=2", same_greedy_tokens=False)

@@ -49,6 +49,7 @@ def test_tiny_models(tiny_models, arch, setting):
         assert hits, "prompts sharing a prefix should have hit the prefix cache"
 
 
+@pytest.mark.slow   # 15-60 s each on 2 cores: the quick tier keeps the tiny models' parity above
 @pytest.mark.parametrize("setting", ["default", "preemption", "block_size_1"])
 def test_default_model(default_model_folder, setting):
     prompts = varied_prompts(49152, count=16, seed=11, max_len=40)

@@ -167,6 +167,7 @@ def run_with_hf_home(hf_home: Path, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow   # about 12 s: a subprocess
 def test_hub_id_resolves_from_the_local_cache(tiny_models, tmp_path):
     # The layout huggingface_hub writes: hub/models--org--name/{refs/main, snapshots/<commit>/}
     repo = tmp_path / "hf" / "hub" / "models--tiny-org--tiny-llama"

@@ -64,6 +64,7 @@ def test_eager_refuses_the_compiled_attention_backend(tiny_models):
         LLM(str(tiny_models["llama"]), enforce_eager=True, attention_backend="cpu")
 
 
+@pytest.mark.slow   # about 20 s: two processes load the embedded model
 def test_eager_maps_no_compiled_library_and_matches_the_default_path(default_model_folder):
     """In a fresh interpreter: the embedded model with enforce_eager=True leaves no library
     of ours in /proc/self/maps; then the default path (which loads them) gives the same

@@ -160,7 +160,7 @@ def test_batch_labels_say_prefill_decode_hits_and_preemption():
     trace = TRACES["preemption"]
     preempted_at = trace.preemption_steps()[0]
     rid = trace[preempted_at].preempted[0]
-    assert labels(trace, preempted_at)[-1] == f"{rid}: preempted (blocks freed, re-queued)"
+    assert labels(trace, preempted_at)[-1] == f"{rid}: preempted"
     resumed_at = first_step(trace, lambda s: any(r.request_id == rid for r in s.scheduled), after=preempted_at)
     r = next(r for r in trace[resumed_at].scheduled if r.request_id == rid)
     assert r.prefix_hit_tokens > 0

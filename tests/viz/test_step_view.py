@@ -180,5 +180,7 @@ def test_caption_says_which_blocks_were_allocated_and_why_blocks_were_freed():
     step = trace.preemption_steps()[0]
     s = trace[step]
     lines = describe_step(trace, step)
-    assert f"Allocated: block(s) {', '.join(map(str, s.allocated_blocks))}." in lines
-    assert f"Freed: block(s) {', '.join(map(str, s.freed_blocks))} ({s.preempted[0]} preempted)." in lines
+    allocated = f"Allocated: block(s) {', '.join(map(str, s.allocated_blocks))}."
+    freed = f"Freed: block(s) {', '.join(map(str, s.freed_blocks))} ({s.preempted[0]} preempted)."
+    assert allocated in lines and freed in lines
+    assert lines.index(freed) < lines.index(allocated), lines   # the victim's blocks go first

@@ -59,8 +59,10 @@ with `output_text.find(stop_string, start)`, and keep the smallest index.""",
     ),
     checks=("check_detokenizer(IncrementalDetokenizer)", "check_find_stop_string(find_stop_string)"),
     engine_intro="""The engine makes one `IncrementalDetokenizer` per request. Passing your class as
-`components={"detokenizer": ...}` makes the engine stream its text through your code; the tokens
-and the text must equal the reference engine's (the prompts include characters the tiny tokenizer
-splits into byte tokens).""",
+`components={"detokenizer": ...}` makes the engine stream its text through your code. The tokens,
+the final text and the text shown after every step must equal the reference engine's. What the tiny
+model writes exercises every rule: two seeded prompts generate characters split over two tokens (and
+bytes that are invalid for good, between them); one stop string straddles three tokens; another
+prompt has `min_tokens` and a stop string that ends just where the first `min_tokens` tokens end.""",
     engine='run_engine_with({"detokenizer": IncrementalDetokenizer}, compare_text=True)',
 )

@@ -72,10 +72,12 @@ return KVCacheBlocks(tuple(hits)), shortest
     ),
     checks=("check_hash_block_tokens(hash_block_tokens)", "check_get_computed_blocks(KVCacheManager)"),
     engine_intro="""`components={"kv_cache_manager": KVCacheManager}` makes the scheduler find every
-prefix hit through your `get_computed_blocks`. Three of the five prompts share a long prefix, in a
-pool of 5 usable blocks: the second starts from a block in use, the fifth from a freed block that is
-still cached. The greedy tokens must not change, and every step must find exactly the reference's
-hits (and so hold the same blocks). (Your `hash_block_tokens` produces the engine's exact digests —
-the checker proved it — so the engine's hashes are yours.)""",
-    engine='run_engine_with({"kv_cache_manager": KVCacheManager})',
+prefix hit through your `get_computed_blocks`, and `hash_block_tokens=hash_block_tokens` makes every
+request's block hashes with your hash. Seven prompts, in blocks of 8 tokens: two share 16 tokens;
+one holds a block whose tokens another prompt has after a different first block (a hash that forgets
+the parent finds it); one repeats an earlier prompt with its own cache salt (it must hit nothing); and
+a request preempted after generating a block's worth of tokens comes back and must hit its prompt
+*and* its output. The greedy tokens must not change, and every step must find exactly the
+reference's hits (and so hold the same blocks).""",
+    engine='run_engine_with({"kv_cache_manager": KVCacheManager}, hash_block_tokens=hash_block_tokens)',
 )

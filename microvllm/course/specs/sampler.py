@@ -75,7 +75,9 @@ return (probs / noise).argmax(dim=-1)
     engine_intro="""`components={"sampler": Sampler}` makes the model runner sample every token with
 your class. One prompt is greedy (the argmax must be exact); the others sample with temperature,
 top-k, top-p and min-p, each from its own seed. A seeded request draws the same tokens from the same
-logits, so every token must equal the reference engine's; when some differ, the hint says which
-filter the differing prompts have in common.""",
+logits, so every token must equal the reference engine's. The last three prompts test one filter
+each on many draws (16 seeded samples at temperature 1, where the filter cuts off much of the mass):
+a filter that is skipped, or kept one token too wide, changes some of them. When prompts differ,
+the hint says which filter they have in common.""",
     engine='run_engine_with({"sampler": Sampler})',
 )
