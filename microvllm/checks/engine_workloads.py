@@ -87,9 +87,8 @@ SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make s
 # The tiny model's own output (checked by tests/course/test_engine_run.py, which fails if it drifts):
 # greedy prompt 0 writes "\x1c" "it" "er" "(" ...: the stop string "ter(" straddles three tokens;
 # greedy prompt 1 writes "The" " plan" ...: with min_tokens=2 the search starts after " plan", so the
-# stop string "plan", which ends exactly there, must not count (but the engine's output processor does
-# not pass min_tokens to the detokenizer yet, so today it does count, for the reference too; when that
-# is fixed, this prompt runs on and a search one character too early fails it); the seeded prompts 2 and 4 write
+# stop string "plan", which ends exactly there, must not count (so this prompt runs on, and a search
+# one character too early fails it); the seeded prompts 2 and 4 write
 # characters split over two tokens ("ֱ", "܄") and genuinely invalid bytes between them.
 DETOKENIZER_RUN = Workload(
     "detokenizer", tuple(PROMPTS) + (PROMPTS[0],),

@@ -92,7 +92,8 @@ class OutputProcessor:
             if self.tokenizer is not None:
                 detok = self.detokenizer_class(
                     self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens)   # stop strings count only after min_tokens
             completion = CompletionOutput(index=index,
                                           logprobs=[] if params.logprobs is not None else None)
             child = ChildState(child_id, parent, completion, detok)

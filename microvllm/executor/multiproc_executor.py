@@ -129,8 +129,12 @@ class MultiprocExecutor(Executor):
         if not self._finalizer.alive:
             raise WorkerError("the executor was shut down: create a new LLM")
         call_id = next(self._call_ids)
-        for pipe in self.pipes:
-            pipe.send((call_id, method, args))
+        for rank, pipe in enumerate(self.pipes):
+            try:
+                pipe.send((call_id, method, args))
+            except OSError:   # BrokenPipeError: that worker is already gone
+                self._fail_if_a_worker_died(method, raised=None)
+                self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) cannot be reached for {method}()")
         return self._collect(call_id, method, timeout_s)
 
     def _collect(self, call_id: int, method: str, timeout_s: float):

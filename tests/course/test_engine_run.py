@@ -339,8 +339,8 @@ def test_a_detokenizer_that_stalls_after_an_invalid_byte_is_caught_by_the_stream
     from tests.course.test_checkers import StallsOnAnyReplacementChar
 
     caught({"detokenizer": StallsOnAnyReplacementChar},
-           r"✗ prompt 2, step 2: the same final text, but not streamed at the same time.*"
-           r"reference had shown '\ufffdֱ'.*yours had shown +''", same_greedy_tokens=False)
+           r"✗ prompt [12], step \d+: the same final text, but not streamed at the same time.*"
+           r"reference had shown '[^']*\ufffd'.*yours had shown", same_greedy_tokens=False)
 
 
 def test_a_stop_string_search_of_the_new_text_only_is_caught():
@@ -351,8 +351,6 @@ def test_a_stop_string_search_of_the_new_text_only_is_caught():
     caught({"detokenizer": detokenizer}, r"prompt 0 \(greedy, stop=\['ter\('\]\): ✗", same_greedy_tokens=False)
 
 
-@pytest.mark.xfail(strict=True, reason="the engine's output processor does not pass min_tokens to the "
-                                       "detokenizer, so the reference counts the stop string too")
 def test_a_stop_string_search_one_character_too_early_is_caught_after_min_tokens():
     import microvllm.detokenizer as detokenizer_module
 
