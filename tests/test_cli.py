@@ -94,3 +94,13 @@ def test_bench_throughput_vllm_flags_line_and_json(capsys, tiny_llama, tmp_path)
     data = json.loads(report.read_text())
     assert data["num_requests"] == 3 and data["total_num_tokens"] == 3 * (12 + 5)
     assert data["requests_per_second"] == pytest.approx(float(line[1]), rel=0.01)
+
+
+def test_serve_without_the_serve_extra_names_the_extra(capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "fastapi" else find_spec(name, *args))
+    status, _, err = run(capsys, "serve", "--port", "1")
+    assert status == 2 and "needs fastapi" in err and "microvllm[serve]" in err and "Traceback" not in err

@@ -13,8 +13,16 @@ import random
 import tempfile
 from pathlib import Path
 
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
-                                     property_settings, run_checks, run_property)
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
 
 MULTIBYTE_TEXTS = [
     "Héllo wörld, café crème brûlée, naïve Zoë.",

@@ -11,8 +11,16 @@ of the stop rules predicts, and that the pool ends fully free.
 from __future__ import annotations
 
 from microvllm.checks.fakes import feeder_token, make_request, make_scheduler, outputs_by_request, run_steps
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
-                                     property_settings, run_checks, run_property)
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
 from microvllm.core import FullAttentionSpec, PoolTooSmallError, SlidingWindowSpec
 
 B = 4

@@ -57,7 +57,7 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, **kwargs):
         check_engine_options(kwargs)
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = Engine(self.engine_args.create_engine_config())
+        self.engine = Engine.from_engine_args(self.engine_args)
         self.metrics = ServingMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (event loop, asyncio.Queue); touched by both threads, under the lock.

@@ -15,11 +15,11 @@ class PromptProcessor:
         self.vocab_size = vocab_size
 
     @classmethod
-    def from_model_folder(cls, folder: Path) -> "PromptProcessor":
+    def from_model_folder(cls, folder: Path, vocab_size: int | None = None) -> "PromptProcessor":
         has_tokenizer = (folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()
         tokenizer = Tokenizer.from_pretrained(folder) if has_tokenizer else None
         eos = set(tokenizer.eos_token_ids) if tokenizer else _config_eos(folder)
-        return cls(tokenizer, eos, None)
+        return cls(tokenizer, eos, vocab_size)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -8,12 +8,10 @@ shadow KV cache and every key a query attends to is read back, so a wrong
 prefix hit or a block handed out twice fails too.
 """
 
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from microvllm.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
-
 from tests.core.core_helpers import ShadowKVCache, first_needed_position, make_request
 
 # Prompts share prefixes often (a few common "system prompts" cut anywhere, then

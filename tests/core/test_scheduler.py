@@ -8,17 +8,14 @@ budget, max_num_seqs and ``check_invariants()`` after every schedule and update.
 import dataclasses
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from microvllm.core import (
     FullAttentionSpec,
     PoolTooSmallError,
     RequestStatus,
-    SchedulerConfig,
     SlidingWindowSpec,
 )
-
 from tests.core.core_helpers import feeder_token, make_request, make_scheduler, outputs_by_request, run_steps
 
 B = 4
@@ -309,7 +306,8 @@ def test_random_workloads_finish_with_the_pool_fully_free(workload):
     scheduler, runner = make_scheduler(groups, **config)
     for rid, prompt, kw in requests:
         kw = dict(kw)
-        scheduler.add_request(make_request(rid, prompt, config["block_size"], eos_token_id=kw.pop("eos_token_id"), **kw))
+        scheduler.add_request(make_request(rid, prompt, config["block_size"], eos_token_id=kw.pop("eos_token_id"),
+                                           **kw))
     records = run_steps(scheduler, runner, max_steps=2000)
     kv = scheduler.kv_cache_manager
     assert kv.block_pool.get_num_free_blocks() == kv.num_usable_blocks

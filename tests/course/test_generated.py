@@ -12,7 +12,6 @@ import pytest
 
 from microvllm.course import build
 from microvllm.course.specs import EXERCISES
-
 from tests.course.conftest import ROOT
 
 

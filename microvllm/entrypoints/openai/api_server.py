@@ -135,7 +135,8 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=model_name, root=model_name, max_model_len=engine.engine.config.max_model_len)
+        max_model_len = engine.engine.config.scheduler_config.max_model_len
+        card = ModelCard(id=model_name, root=model_name, max_model_len=max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @app.post("/v1/completions")
