@@ -175,6 +175,9 @@ class EngineArgs:
         model_path = resolve_model_path(self.model)
         hf_config = hf_config if hf_config is not None else load_config(model_path)
         platform = platform or get_platform(self.device, enforce_eager=self.enforce_eager)
+        if platform.enforce_eager != self.enforce_eager:
+            raise ValueError(f"enforce_eager={self.enforce_eager} but the platform given was made with "
+                             f"enforce_eager={platform.enforce_eager}: make them agree")
         dtype = platform.resolve_dtype(DTYPE_ALIASES.get(self.dtype, self.dtype))
         if dtype != self.dtype:
             logger.info("dtype=%r: using %s, the %s platform's native precision",
