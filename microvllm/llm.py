@@ -30,38 +30,15 @@ class LLM:
         model: a Hugging Face model folder, a hub id already in the local Hugging Face
             cache (``"HuggingFaceTB/SmolLM2-135M-Instruct"``; never downloaded), or None
             for the embedded SmolLM2-135M-Instruct.
-        block_size: tokens per KV cache block (a power of two; 16).
-        num_kv_blocks: KV cache blocks; default: as many as ``kv_cache_memory_bytes``
-            (1 GiB) holds, capped at what ``max_num_seqs`` full-length requests could use.
-        device: ``"auto"`` (CUDA where ``torch.cuda.is_available()``, else the CPU),
-            ``"cpu"`` or ``"cuda"``.
-        gpu_memory_utilization: on CUDA, vLLM's meaning: the fraction of the GPU's free
-            memory the engine may use (0.9); the KV cache gets what weights and the
-            largest batch leave. On a CPU: the fraction of ``kv_cache_memory_bytes`` the
-            KV cache may use (vLLM's 0.4 gives 0.4 GiB).
-        max_num_batched_tokens: token budget of one engine step (chunked prefill).
-        max_num_seqs: most requests in one step (64).
-        max_model_len: longest prompt + output (default: the model's maximum).
-        enable_prefix_caching / enable_chunked_prefill: on by default, as in vLLM V1.
-        attention_backend: ``"auto"`` (on a CPU the C++ kernel where it builds, else
-            ``"torch"``; on CUDA ``"triton"``), or a registered name such as ``"triton"``.
-        dtype: ``"auto"`` (float32 on a CPU, bfloat16 on CUDA), ``"float32"``,
-            ``"bfloat16"``, ``"float16"``.
-        seed: seed of the sampling generator shared by requests without their own seed.
-        generation_config: ``"auto"`` (``get_default_sampling_params`` reads the model's
-            generation_config.json), ``"vllm"`` (plain ``SamplingParams()``) or a folder.
-        profiler_config: ``{"torch_profiler_dir": ...}`` for ``start_profile`` (default
-            folder: ``$VLLM_TORCH_PROFILER_DIR`` or ``./microvllm_profile``).
-        trace: record every engine step for the course's widgets (``llm.trace``).
-        enforce_eager: run the model exactly as the notebooks write it (every layer's
-            ``forward_native``, no compiled kernel, no decode fast path): same tokens, slower.
-        tensor_parallel_size: split the model over this many worker processes (vLLM's
-            tensor parallelism, over torch.distributed: ``executor/multiproc_executor.py``);
-            1 (the default) runs it in this process. The workers stop with ``shutdown()``,
-            when the ``LLM`` is garbage collected, or when the interpreter exits.
-        trust_remote_code, tokenizer, disable_log_stats: vLLM's, accepted where they make
-            sense on one CPU process (each logs what it does); see ``EngineArgs`` for
-            every setting.
+        **kwargs: any ``EngineArgs`` option (``engine/arg_utils.py`` lists each one once,
+            with its default and what it does; ``python -m microvllm generate --help``
+            prints them): ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
+            ``enable_prefix_caching``, ``dtype``, ``device``, ``enforce_eager``,
+            ``tensor_parallel_size``, ... and the course's hooks ``trace=True`` (record
+            every step: ``llm.trace``), ``debug_invariants`` and ``components``.
+
+    With ``tensor_parallel_size > 1`` the worker processes stop with ``shutdown()``, when
+    the ``LLM`` is garbage collected, or when the interpreter exits.
 
     An unknown argument raises ``TypeError`` naming the closest valid one, or saying
     that it is a vLLM option microvllm does not implement.
@@ -70,7 +47,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         check_engine_options(kwargs)
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = Engine(self.engine_args.create_engine_config())
+        self.engine = Engine.from_engine_args(self.engine_args)
         self._ids = itertools.count()
 
     @property
@@ -211,7 +188,7 @@ class LLM:
         """``SamplingParams`` with the model's recommended defaults (temperature, top_p,
         top_k, min_p, repetition_penalty, max_new_tokens) from its generation_config.json,
         as vLLM does with ``generation_config="auto"``; ``"vllm"``: plain ``SamplingParams()``."""
-        source = self.engine.config.generation_config
+        source = self.engine.config.model_config.generation_config
         if source == "vllm":
             return SamplingParams()
         return default_sampling_params(self.engine.model_path if source == "auto" else Path(source))

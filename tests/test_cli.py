@@ -113,3 +113,13 @@ def test_bench_structured_runs_on_a_tiny_model(capsys, tiny_llama):
                        "--backend", "xgrammar"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["batch", "plain", "tok/s"] and len(lines) == 3
+
+
+def test_serve_without_the_serve_extra_names_the_extra(capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "fastapi" else find_spec(name, *args))
+    status, _, err = run(capsys, "serve", "--port", "1")
+    assert status == 2 and "needs fastapi" in err and "microvllm[serve]" in err and "Traceback" not in err

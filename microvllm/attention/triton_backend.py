@@ -35,8 +35,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, use_decode_kernel: bool = False):
-        from microvllm.attention.triton_kernels import (check_kernel_can_run,
-                                                        ensure_triton_can_run, is_interpreted)
+        from microvllm.attention.triton_kernels import check_kernel_can_run, ensure_triton_can_run, is_interpreted
         ensure_triton_can_run()  # raises a RuntimeError that says what to change
         from microvllm.attention.triton_kernels import decode, unified, write_kv
 

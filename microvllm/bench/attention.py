@@ -197,7 +197,7 @@ def bench_case(backend, decode_attention, kind: str, batch: int, context: int, a
                     for ms in (triton_ms, decode_ms, torch_ms, sdpa_ms))
     print(f"{kind:8}{batch:>6}{context:>8}{times}{bandwidth / 1e9:>9.0f}"
           f"{bandwidth / copy_bw:>8.0%}{tflops:>8.1f}{error.item():>10.1e}")
-    del query, kv_cache, q, k, v
+    query = kv_cache = q = k = v = None   # free them (the timed closures above hold the names)
     torch.cuda.empty_cache()
 
 

@@ -17,7 +17,8 @@ import time
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24},
-    "population_millions": {"type": "number"}, "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 32},
+    "population_millions": {"type": "number"},
+    "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 32},
                                                               "maxItems": 3}},
     "required": ["city", "country", "population_millions", "landmarks"], "additionalProperties": False}
 CITIES = ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Seoul", "Rome", "Dakar", "Hanoi",

@@ -42,8 +42,7 @@ from pathlib import Path
 
 import torch
 
-from microvllm.bench.roofline import (ModelCost, StepCost, copy_bandwidth, cpu_description, matmul_rate,
-                                      trace_step_costs)
+from microvllm.bench.roofline import ModelCost, StepCost, copy_bandwidth, cpu_description, matmul_rate, trace_step_costs
 
 FIRST_TOKEN_ID = 32   # random prompts avoid the lowest ids, where special tokens live
 
@@ -378,12 +377,13 @@ def bench_random(args, model_path: Path, cost: ModelCost, dtype: torch.dtype,
               for name, r in hf_results.items() if isinstance(r, RunResult)]
     if ratios:
         print("   ".join(ratios))
-    tensor_parallel = config.tensor_parallel_size
-    print(f"  microvllm: {num_steps} steps, attention backend {config.attention_backend!r}, "
+    tensor_parallel, device = config.parallel_config.tensor_parallel_size, config.device_config
+    scheduler = config.scheduler_config
+    print(f"  microvllm: {num_steps} steps, attention backend {device.attention_backend!r}, "
           + (f"tensor_parallel_size {tensor_parallel}, " if tensor_parallel > 1 else "") +
-          f"{'enforce_eager (plain torch), ' if config.enforce_eager else ''}"
-          f"max_num_batched_tokens {config.max_num_batched_tokens}, max_num_seqs {config.max_num_seqs}, "
-          f"prefix caching {'on' if config.enable_prefix_caching else 'off'}")
+          f"{'enforce_eager (plain torch), ' if device.enforce_eager else ''}"
+          f"max_num_batched_tokens {scheduler.max_num_batched_tokens}, max_num_seqs {scheduler.max_num_seqs}, "
+          f"prefix caching {'on' if config.cache_config.enable_prefix_caching else 'off'}")
     if result.useful_tokens != workload.num_output_tokens:
         print(f"warning: microvllm produced {result.useful_tokens} output tokens, "
               f"{workload.num_output_tokens} were requested")

@@ -24,9 +24,9 @@ cache manager, every step's decisions (see ``engine_run.py``).
 
 from microvllm.checks.attention import check_decode_kernel
 from microvllm.checks.block_pool import check_block_pool
-from microvllm.checks.free_queue import check_free_block_queue
 from microvllm.checks.detokenizer import check_detokenizer, check_find_stop_string
 from microvllm.checks.engine_run import run_engine_with
+from microvllm.checks.free_queue import check_free_block_queue
 from microvllm.checks.model_runner import check_prepare_inputs
 from microvllm.checks.prefix_cache import check_get_computed_blocks, check_hash_block_tokens
 from microvllm.checks.report import CheckFailure, CheckResult

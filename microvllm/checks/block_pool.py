@@ -13,8 +13,16 @@ from __future__ import annotations
 from microvllm.checks.fakes import make_request
 from microvllm.checks.free_queue import _expect_raises, ids
 from microvllm.checks.pool_watch import POOL_HINTS
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
-                                     property_settings, run_checks, run_property)
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
 from microvllm.core.kv_cache_invariants import check_kv_cache_invariants
 
 
@@ -58,7 +66,8 @@ def check_block_pool(pool_class, *, max_examples: int = 60, quiet: bool = False)
         a, b = pool.get_new_blocks(2), pool.get_new_blocks(2)
         pool.free_blocks(reversed(a))
         pool.free_blocks(b)
-        after = "a = get_new_blocks(2) -> [1, 2]; b = get_new_blocks(2) -> [3, 4]; free_blocks([2, 1]); free_blocks([3, 4])"
+        after = ("a = get_new_blocks(2) -> [1, 2]; b = get_new_blocks(2) -> [3, 4]; "
+                 "free_blocks([2, 1]); free_blocks([3, 4])")
         expect_equal([blk.ref_cnt for blk in a + b], [0, 0, 0, 0], "freed blocks must have ref_cnt 0", input=after)
         expect_equal(ids(pool.free_block_queue.get_all_free_blocks()), [5, 2, 1, 3, 4],
                      "freed blocks must join the free queue's tail in the order given", input=after,

@@ -13,8 +13,16 @@ import random
 import tempfile
 from pathlib import Path
 
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
-                                     property_settings, run_checks, run_property)
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
 
 MULTIBYTE_TEXTS = [
     "Héllo wörld, café crème brûlée, naïve Zoë.",
@@ -35,7 +43,7 @@ def tiny_tokenizer():
     return Tokenizer.from_pretrained(folder)
 
 
-class _CountingTokenizer:
+class CountingTokenizer:
     """Wraps a tokenizer and records how many ids each decode() call gets."""
 
     def __init__(self, inner):
@@ -49,23 +57,29 @@ class _CountingTokenizer:
         return getattr(self.inner, name)
 
 
+def stream_detokenizer(detokenizer_class, tokenizer, token_ids, chunk_sizes=None, **kwargs):
+    """Feed ``token_ids`` to a fresh detokenizer (prompt ``[1, 2, 3]``), in chunks of
+    ``chunk_sizes`` (then one at a time); return ``(detokenizer, list of deltas)``. The
+    checker and ``tests/tokenizer/test_detokenizer.py`` both stream through it."""
+    detok = detokenizer_class(tokenizer, [1, 2, 3], **kwargs)
+    deltas, i = [], 0
+    sizes = iter(chunk_sizes or [])
+    while i < len(token_ids) and not detok.finished:
+        n = next(sizes, 1)
+        chunk = token_ids[i:i + n]
+        i += n
+        delta = detok.update(chunk, finished=i >= len(token_ids))
+        expect(isinstance(delta, str), "update() must return the new text as a str", got=repr(delta))
+        deltas.append(delta)
+    return detok, deltas
+
+
 def check_detokenizer(detokenizer_class, *, max_examples: int = 40, quiet: bool = False) -> CheckResult:
     """Check an ``IncrementalDetokenizer`` class; print and return the result."""
     tok = tiny_tokenizer()
 
     def stream(token_ids, chunk_sizes=None, tokenizer=tok, **kwargs):
-        detok = detokenizer_class(tokenizer, [1, 2, 3], **kwargs)
-        deltas, i = [], 0
-        sizes = iter(chunk_sizes or [])
-        while i < len(token_ids) and not detok.finished:
-            n = next(sizes, 1)
-            chunk = token_ids[i:i + n]
-            i += n
-            delta = detok.update(chunk, finished=i >= len(token_ids))
-            expect(isinstance(delta, str), "update() must return the new text as a str",
-                   got=repr(delta))
-            deltas.append(delta)
-        return detok, deltas
+        return stream_detokenizer(detokenizer_class, tokenizer, token_ids, chunk_sizes, **kwargs)
 
     def ids_of(text):
         return tok.encode(text, add_special_tokens=False)
@@ -96,7 +110,7 @@ def check_detokenizer(detokenizer_class, *, max_examples: int = 40, quiet: bool 
     def invalid_byte_mid_stream():
         lead_byte = ids_of("日")[0]   # the first of 日's three UTF-8 bytes, here followed by no other
         ids = ids_of("Hello ") + [lead_byte] + ids_of(" the capital of France is Paris")
-        counting = _CountingTokenizer(tok)
+        counting = CountingTokenizer(tok)
         detok = detokenizer_class(counting, [])
         emitted = "".join(detok.update([i]) for i in ids[:-1])
         expected = tok.decode(ids[:-1])
@@ -121,7 +135,7 @@ def check_detokenizer(detokenizer_class, *, max_examples: int = 40, quiet: bool 
                      hint="decode the new tokens one by one, as if they had arrived separately")
 
     def bounded_work():
-        counting = _CountingTokenizer(tok)
+        counting = CountingTokenizer(tok)
         ids = ids_of(" ".join(MULTIBYTE_TEXTS * 3))
         _, deltas = stream(ids, tokenizer=counting)
         expect_equal("".join(deltas), tok.decode(ids), "the deltas must add up to the text",

@@ -40,12 +40,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from microvllm.checks.engine_outputs import compare_samples, compare_streams
-from microvllm.checks.engine_steps import (HINT_HITS, HINT_HITS_MANAGER, HINT_HITS_POOL, first_difference,
-                                           watch_scheduler)
-from microvllm.checks.engine_workloads import (GREEDY, GREEDY_RUN, PREFIX_HASH_RUN, WORKLOADS, Workload,
-                                               params_text, sampling_hint)
+from microvllm.checks.engine_steps import (
+    HINT_HITS,
+    HINT_HITS_MANAGER,
+    HINT_HITS_POOL,
+    first_difference,
+    watch_scheduler,
+)
+from microvllm.checks.engine_workloads import (
+    GREEDY,
+    GREEDY_RUN,
+    PREFIX_HASH_RUN,
+    WORKLOADS,
+    Workload,
+    params_text,
+    sampling_hint,
+)
 from microvllm.checks.pool_watch import POOL_HINTS, watch_block_pool
 from microvllm.checks.report import CheckFailure, explain_exception, not_implemented_message, round_floats
+
 
 @functools.cache
 def tiny_model_folder(arch: str = "llama") -> Path:

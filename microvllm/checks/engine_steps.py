@@ -112,7 +112,9 @@ def _compare_blocks(ref: StepTrace, yours: StepTrace, index: int, who: str):
     for rid in sorted(set(ref.block_tables) | set(yours.block_tables), key=_key):
         ref_table, your_table = ref.block_tables.get(rid), yours.block_tables.get(rid)
         if ref_table != your_table:
-            show = (lambda t: t[0] if t is not None and len(t) == 1 else t)
+            def show(t):
+                return t[0] if t is not None and len(t) == 1 else t
+
             return ([f"after step {index}: request {rid} holds blocks {show(your_table)} with {who}; "
                      f"with the reference it holds {show(ref_table)}"], HINT_BLOCKS)
     ref_free = [b for b, free in enumerate(ref.free) if free]

@@ -15,8 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from microvllm.core import (FullAttentionSpec, KVCacheManager, KVCacheSpec, Request, Scheduler,
-                            SchedulerConfig, SchedulerOutput, SlidingWindowSpec)
+from microvllm.core import (
+    FullAttentionSpec,
+    KVCacheManager,
+    KVCacheSpec,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SlidingWindowSpec,
+)
 
 
 @dataclass

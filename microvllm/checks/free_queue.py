@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import time
 
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
-                                     property_settings, run_checks, run_property)
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
 from microvllm.core.kv_cache_utils import KVCacheBlock
 
 

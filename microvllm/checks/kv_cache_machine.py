@@ -1,10 +1,12 @@
 """The KV cache property test: a hypothesis state machine over random workloads.
 
-It admits, grows, frees and preempts requests, evicts cached blocks and looks up
-prefixes, on pools of 1 to 64 blocks with full-attention, sliding-window or both groups.
-Every computed token is "written" to a shadow KV cache and every key a query attends to
-(prefix hits included) is read back, and the pool's accounting is checked after every
-operation. ``manager_class`` is the KV cache manager under test (a learner's subclass).
+It admits, grows, frees and preempts requests, touches and evicts cached blocks, looks up
+prefixes and resets the cache, on pools of 1 to 64 blocks with full-attention,
+sliding-window or both groups. Every computed token is "written" to a shadow KV cache and
+every key a query attends to (prefix hits included) is read back, and the pool's
+accounting is checked after every operation. ``manager_class`` is the KV cache manager
+under test: a learner's subclass (exercise 04's checker), or the engine's own
+(``tests/core/test_kv_cache_stateful.py`` runs this same machine).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import functools
 
 from microvllm.checks.fakes import ShadowKVCache, first_needed_position, make_request
-from microvllm.checks.report import CheckFailure
+from microvllm.checks.report import CheckFailure, expect_equal
 from microvllm.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 
 
@@ -62,6 +64,9 @@ def kv_cache_machine():
                         assert (index + 1) * bs <= first_needed_position(spec, num_hit), (
                             f"{where}: hit block {index} is null but the next query reads it")
                         continue
+                    if block.block_hash != request.block_hashes[index]:
+                        raise CheckFailure(f"hit block {index} holds another prefix's hash", input=where,
+                                           expected=request.block_hashes[index], got=block.block_hash)
                     for pos in range(index * bs, (index + 1) * bs):
                         self.shadow.check_read(block.block_id, pos, request.all_token_ids[pos], where)
 
@@ -81,7 +86,14 @@ def kv_cache_machine():
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             self.check_hit(request, hit_blocks, num_hit)
             num_new = min(request.num_tokens - num_hit, chunk)
+            before = [(b.ref_cnt, b.block_hash, b.is_free) for b in self.kv.block_pool.blocks]
             if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+                # All or nothing: a refused allocation leaves the pool as it was.
+                if [(b.ref_cnt, b.block_hash, b.is_free) for b in self.kv.block_pool.blocks] != before:
+                    raise CheckFailure("allocate_slots returned None but changed the pool",
+                                       input=f"a new request of {request.num_tokens} tokens, {num_new} to compute")
+                if any(self.kv.get_block_ids(request.request_id)):
+                    raise CheckFailure("allocate_slots returned None but the request holds blocks")
                 return
             request.num_computed_tokens = num_hit
             self.compute(request, num_new)
@@ -95,7 +107,12 @@ def kv_cache_machine():
             if request.num_computed_tokens == request.num_tokens:
                 request.append_output_token_ids(extra)
             num_new = min(request.num_tokens - request.num_computed_tokens, chunk)
-            if self.kv.allocate_slots(request, num_new) is None:
+            held_before = {b.block_id for table in self.kv.get_blocks(request.request_id).blocks for b in table}
+            if self.kv.allocate_slots(request, num_new) is None:   # preempt: nothing new was taken
+                held_after = {b.block_id for table in self.kv.get_blocks(request.request_id).blocks for b in table}
+                if not held_after <= held_before | {0}:
+                    raise CheckFailure("allocate_slots returned None but the request gained blocks",
+                                       expected=sorted(held_before), got=sorted(held_after))
                 self.kv.free(request)
                 del self.live[request.request_id]
                 return
@@ -109,7 +126,28 @@ def kv_cache_machine():
             del self.live[request.request_id]
 
         @rule(data=st.data())
+        def touch_cached_block(self, data):
+            cached = [b for b in self.kv.block_pool.blocks if b.block_hash is not None]
+            if cached:
+                block = data.draw(st.sampled_from(cached))
+                self.kv.block_pool.touch([block])
+                self.held.append(block)
+
+        @precondition(lambda self: self.held)
+        @rule()
+        def release_touched_block(self):
+            self.kv.block_pool.free_blocks([self.held.pop()])
+
+        @rule()
+        def reset_prefix_cache(self):
+            in_use = self.kv.block_pool.get_num_free_blocks() < self.kv.block_pool.num_usable_blocks
+            if self.kv.reset_prefix_cache() is in_use:
+                raise CheckFailure("reset_prefix_cache() must succeed exactly when no block is in use",
+                                   expected=not in_use, got=not in_use)
+
+        @rule(data=st.data())
         def evict_cached_free_block(self, data):
+            """Memory pressure elsewhere: a free cached block is reused, leaving a gap in a cached prefix."""
             cached_free = [b for b in self.kv.block_pool.blocks if b.block_hash is not None and b.ref_cnt == 0]
             if cached_free:
                 self.kv.block_pool._maybe_evict_cached_block(data.draw(st.sampled_from(cached_free)))
@@ -123,5 +161,14 @@ def kv_cache_machine():
         def accounting_holds(self):
             if hasattr(self, "kv"):
                 self.kv.check_invariants(extra_block_tables=[self.held])
+
+        def teardown(self):
+            if hasattr(self, "kv"):
+                for request in list(self.live.values()):
+                    self.kv.free(request)
+                self.kv.block_pool.free_blocks(self.held)
+                self.kv.check_invariants()
+                expect_equal(self.kv.block_pool.get_num_free_blocks(), self.kv.block_pool.num_usable_blocks,
+                             "every block is free once every request is freed")
 
     return Machine

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import torch
 
-from microvllm.checks.report import (Case, CheckResult, expect, expect_equal, property_settings, run_checks,
-                                     run_property)
+from microvllm.checks.report import Case, CheckResult, expect, expect_equal, property_settings, run_checks, run_property
 from microvllm.checks.slot_mapping import B, _slots
 from microvllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from microvllm.sampling_params import SamplingParams
+from microvllm.worker.model_runner import ModelInputs
 
 
 class RecordingModel:
@@ -28,8 +28,7 @@ class RecordingModel:
     ROWS = 1024
 
     def __init__(self, num_groups: int, vocab_size: int = 16 * 1024):
-        self.layout = SimpleNamespace(groups=tuple(SimpleNamespace(kind="full_attention", sliding_window=None)
-                                                   for _ in range(num_groups)))
+        self.layout = SimpleNamespace(num_groups=num_groups)
         self.vocab_size = vocab_size
         self.calls: list[dict] = []
 
@@ -103,6 +102,7 @@ def check_prepare_inputs(runner_class, *, max_examples: int = 30, quiet: bool = 
         model = RecordingModel(num_groups)
         runner = runner_class(model, [], block_size=B, max_num_seqs=8, max_num_batched_tokens=128,
                               max_model_len=96, eos_token_ids=set(), seed=0)
+        runner._prepare_inputs = _returns_model_inputs(runner._prepare_inputs)
         return model, runner
 
     def run_step(model, runner, plan: _Plan, scheduled: dict[str, int], hits=None, story: str = ""):
@@ -191,6 +191,20 @@ def check_prepare_inputs(runner_class, *, max_examples: int = 30, quiet: bool = 
         Case(f"property: {max_examples} random multi-step schedules", random_steps),
     ]
     return run_checks("check_prepare_inputs", cases, quiet=quiet)
+
+
+def _returns_model_inputs(prepare_inputs):
+    """``prepare_inputs``, checked to return a ``ModelInputs`` before the runner uses it."""
+
+    def checked(plan):
+        inputs = prepare_inputs(plan)
+        expect(isinstance(inputs, ModelInputs),
+               f"_prepare_inputs must return a ModelInputs, got a {type(inputs).__name__}",
+               hint="end with return ModelInputs(req_ids=..., states=..., input_ids=..., positions=..., "
+                    "attn_metadata=..., sampling_req_indices=..., logits_indices=...)")
+        return inputs
+
+    return checked
 
 
 def _compare(plan: _Plan, scheduled: dict[str, int], call: dict, sampled: dict, story: str) -> None:

@@ -13,10 +13,17 @@ from __future__ import annotations
 
 from microvllm.checks.fakes import make_request
 from microvllm.checks.kv_cache_machine import kv_cache_machine
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
-                                     property_settings, run_checks, run_property)
-from microvllm.core import FullAttentionSpec, SlidingWindowSpec
-from microvllm.core import kv_cache_utils as reference
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
+from microvllm.core import FullAttentionSpec, SlidingWindowSpec, kv_cache_utils as reference
 
 B = 4
 

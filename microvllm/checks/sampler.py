@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
-                                     property_settings, run_checks, run_property)
-from microvllm.sample import SamplingMetadata, make_generator
-from microvllm.sample import topk_topp_sampler as reference
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
+from microvllm.sample import SamplingMetadata, make_generator, topk_topp_sampler as reference
 from microvllm.sampling_params import SamplingParams
 
 # A distribution whose filters have unambiguous answers (no ties, no near-ties).

@@ -11,8 +11,16 @@ of the stop rules predicts, and that the pool ends fully free.
 from __future__ import annotations
 
 from microvllm.checks.fakes import feeder_token, make_request, make_scheduler, outputs_by_request, run_steps
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, expect_equal,
-                                     property_settings, run_checks, run_property)
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
 from microvllm.core import FullAttentionSpec, PoolTooSmallError, SlidingWindowSpec
 
 B = 4
@@ -188,23 +196,9 @@ def check_scheduler(scheduler_class, *, max_examples: int = 60, quiet: bool = Fa
         from hypothesis import given
 
         @property_settings(max_examples)
-        @given(_workloads())
+        @given(workloads())
         def test(workload):
-            groups, config, requests = workload
-            s, runner = make_scheduler(groups, scheduler_class=scheduler_class, **config)
-            for rid, prompt, kw in requests:
-                kw = dict(kw)
-                s.add_request(make_request(rid, prompt, config["block_size"], eos_token_id=kw.pop("eos_token_id"),
-                                           **kw))
-            records = run_steps(s, runner, max_steps=2000)
-            kv = s.kv_cache_manager
-            where = f"config {config}, {len(groups)} cache group(s), requests {requests}"
-            expect_equal(kv.block_pool.get_num_free_blocks(), kv.num_usable_blocks,
-                         "every block is free again once all requests finished", input=where)
-            for rid, prompt, kw in requests:
-                expected = _expected_output(rid, prompt, kw, config["max_model_len"])
-                got = (generated(records, rid), outputs_by_request(records)[rid][-1].finish_reason)
-                expect_equal(got, expected, f"request {rid}: wrong tokens or finish reason", input=where)
+            run_workload(workload, scheduler_class)
 
         run_property(test)
 
@@ -224,7 +218,32 @@ def check_scheduler(scheduler_class, *, max_examples: int = 60, quiet: bool = Fa
     return run_checks("check_scheduler", cases, SCHEDULER_HINTS, quiet=quiet)
 
 
-def _workloads():
+def run_workload(workload, scheduler_class=None) -> None:
+    """Run one of ``workloads()``'s workloads to the end (with ``scheduler_class``, else the
+    engine's ``Scheduler``); raise ``CheckFailure`` unless the pool ends fully free and
+    every request got exactly the tokens and finish reason ``expected_output`` predicts.
+    The checker and ``tests/core/test_scheduler.py`` both run it."""
+    groups, config, requests = workload
+    extra = {"scheduler_class": scheduler_class} if scheduler_class is not None else {}
+    s, runner = make_scheduler(groups, **extra, **config)
+    for rid, prompt, kw in requests:
+        kw = dict(kw)
+        s.add_request(make_request(rid, prompt, config["block_size"], eos_token_id=kw.pop("eos_token_id"), **kw))
+    records = run_steps(s, runner, max_steps=2000)
+    kv = s.kv_cache_manager
+    where = f"config {config}, {len(groups)} cache group(s), requests {requests}"
+    expect_equal(kv.block_pool.get_num_free_blocks(), kv.num_usable_blocks,
+                 "every block is free again once all requests finished", input=where)
+    for rid, prompt, kw in requests:
+        expected = expected_output(rid, prompt, kw, config["max_model_len"])
+        got = (generated(records, rid), outputs_by_request(records)[rid][-1].finish_reason)
+        expect_equal(got, expected, f"request {rid}: wrong tokens or finish reason", input=where)
+
+
+def workloads():
+    """A hypothesis strategy: ``(cache groups, scheduler config, requests)`` of a random
+    workload (block sizes, sliding windows, budgets, pool sizes, stop rules) in which every
+    request fits the pool alone, so every request must finish."""
     from hypothesis import strategies as st
 
     @st.composite
@@ -257,7 +276,7 @@ def _workloads():
     return workloads()
 
 
-def _expected_output(rid, prompt, params, max_model_len):
+def expected_output(rid, prompt, params, max_model_len):
     """An independent replay of the stop rules over the deterministic feeder."""
     out = []
     while True:

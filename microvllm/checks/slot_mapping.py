@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from microvllm.checks.report import (Case, CheckResult, expect, expect_equal, property_settings, run_checks,
-                                     run_property)
+from microvllm.checks.report import Case, CheckResult, expect, expect_equal, property_settings, run_checks, run_property
 
 B = 4
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import itertools
 
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, expect, property_settings, run_checks,
-                                     run_property)
+from microvllm.checks.report import Case, CheckFailure, CheckResult, expect, property_settings, run_checks, run_property
 
 # The example of backend_regex.py's docstring, with a few more tokens.
 NUMBER = r"[0-9]+(\.[0-9]+)?"
@@ -161,8 +160,7 @@ def check_token_trie(trie_class, *, max_examples: int = 60, quiet: bool = False)
         compare_mask(trie_class, SHARED, "a", SHARED_VOCAB, counting=True)
 
     def property_case():
-        from hypothesis import assume, given
-        from hypothesis import strategies as st
+        from hypothesis import assume, given, strategies as st
 
         from microvllm.structured_output.regex_dfa import RegexDFA
 

@@ -23,7 +23,7 @@ import sys
 import time
 
 from microvllm.cli.parser import FlexibleArgumentParser
-from microvllm.cli.serve import add_serve_args
+from microvllm.cli.serve import add_serve_args, missing_serve_dependencies
 
 SUBCOMMANDS = "{generate,bench,serve}"  # the ones the help lists ("course" is hidden)
 
@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
+        missing = missing_serve_dependencies()
+        if missing:
+            parser.exit(2, f"microvllm: error: `microvllm serve` needs {' and '.join(missing)}, which "
+                           "come with the `serve` extra: pip install 'microvllm[serve]' (in a clone: "
+                           "pip install -e '.[serve]')\n")
         from microvllm.entrypoints.openai.api_server import run_server
         return _without_traceback(parser, run_server, args)
     return _without_traceback(parser, _generate, args)

@@ -4,6 +4,14 @@ imported only when the command runs, so that ``microvllm --help`` stays fast).""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+
+SERVE_DEPENDENCIES = ("fastapi", "uvicorn")
+
+
+def missing_serve_dependencies() -> list[str]:
+    """The server's packages (the ``serve`` extra) that are not installed here."""
+    return [name for name in SERVE_DEPENDENCIES if importlib.util.find_spec(name) is None]
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

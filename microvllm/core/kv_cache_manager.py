@@ -54,9 +54,6 @@ class KVCacheBlocks:
         """Block ids per group, e.g. ``([3, 8, 1],)`` for one group. O(blocks)."""
         return tuple([block.block_id for block in group] for group in self.blocks)
 
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks)))
-
 
 class KVCacheManager:
     """Block tables of all requests, over all cache groups, on one shared BlockPool."""

@@ -18,14 +18,17 @@ Sliding window semantics (Hugging Face Mistral, ``kv_idx > q_idx - sliding_windo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from microvllm.core.kv_cache_utils import cdiv
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Base class: every group stores ``block_size`` tokens per block."""
+    """Base class: every group stores ``block_size`` tokens per block. ``kind`` names the
+    spec's class wherever a name is needed (the trace, the widgets)."""
 
+    kind: ClassVar[str] = ""
     block_size: int
 
     def __post_init__(self) -> None:
@@ -46,6 +49,8 @@ class KVCacheSpec:
 class FullAttentionSpec(KVCacheSpec):
     """Every token attends to every earlier token: all blocks stay until the end."""
 
+    kind: ClassVar[str] = "full_attention"
+
     def max_blocks_held(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
@@ -57,6 +62,7 @@ class FullAttentionSpec(KVCacheSpec):
 class SlidingWindowSpec(KVCacheSpec):
     """A token at position p attends to positions p-W+1 .. p only (W = sliding_window)."""
 
+    kind: ClassVar[str] = "sliding_window"
     sliding_window: int = 0
 
     def __post_init__(self) -> None:
@@ -77,3 +83,11 @@ class SlidingWindowSpec(KVCacheSpec):
     def num_blocks_needed(self, num_computed_tokens: int, num_new_tokens: int) -> int:
         total = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
         return total - self.num_skipped_blocks(num_computed_tokens)
+
+
+def attention_spec(block_size: int, sliding_window: int | None) -> KVCacheSpec:
+    """The spec of an attention layer that reads a window of ``sliding_window`` tokens (None:
+    all of them), in blocks of ``block_size`` (vLLM: ``Attention.get_kv_cache_spec``)."""
+    if sliding_window:
+        return SlidingWindowSpec(block_size, sliding_window)
+    return FullAttentionSpec(block_size)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 
 def cdiv(a: int, b: int) -> int:
@@ -234,11 +234,6 @@ class FreeKVCacheBlockQueue:
         self.fake_free_list_tail.prev_free_block = block
         self.num_free_blocks += 1
         ### END SOLUTION
-
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Append each block in order. O(len(blocks))."""
-        for block in blocks:
-            self.append(block)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks, head (next victim) first. O(free blocks); for tests and tracing."""

@@ -79,8 +79,3 @@ class SchedulerOutput:
         # arrival: the MultiprocExecutor sends each plan to its worker processes.
         values = [getattr(self, f.name) for f in fields(self)]
         return (type(self), tuple(dict(v) if isinstance(v, MappingProxyType) else v for v in values))
-
-    @property
-    def is_empty(self) -> bool:
-        """True when nothing is computed this step."""
-        return self.total_num_scheduled_tokens == 0

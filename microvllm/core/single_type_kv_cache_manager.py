@@ -125,6 +125,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """A token at position p reads keys p-W+1 .. p only, so older blocks can go."""
 
+    kv_cache_spec: SlidingWindowSpec
+
     def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
         self.sliding_window = kv_cache_spec.sliding_window

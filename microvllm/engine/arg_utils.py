@@ -7,12 +7,18 @@ The same settings reach the engine three ways, all through this class::
     LLMEngine.from_engine_args(engine_args)   the engine itself
                         |
                         v
-    engine_args.create_engine_config()  ->  EngineConfig (validated, microvllm's own)
+    engine_args.create_engine_config()  ->  EngineConfig: every "auto" settled, frozen
+                                            (microvllm/config/ draws its tree)
 
-``create_engine_config`` is where vLLM options that mean something else on one CPU
-process are translated (each says what it does in one log line) or refused with a
-reason: ``gpu_memory_utilization``, ``trust_remote_code``,
-``tokenizer``, ``disable_log_stats``, ``dtype="auto"``.
+This class is the one place an option is listed: its default, its doc, its flag and
+its checks. ``create_engine_config`` is where vLLM options that mean something else on
+one CPU process are translated (each says what it does in one log line) or refused with
+a reason: ``gpu_memory_utilization``, ``trust_remote_code``, ``tokenizer``,
+``disable_log_stats``, ``dtype="auto"``.
+
+``trace``, ``debug_invariants`` and ``components`` are the course's hooks: options of
+``LLM`` like the others, but not settings of the engine; ``Engine.from_engine_args``
+passes them beside the config.
 """
 
 from __future__ import annotations
@@ -23,9 +29,25 @@ import logging
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from microvllm.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from microvllm.config import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEVICES,
+    DTYPES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+)
+from microvllm.config.components import check_components
+from microvllm.config.structured_outputs import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
+from microvllm.layers.linear import divide, shard_heads
+from microvllm.models.hub import resolve_model_path
+from microvllm.models.loader import load_config
+from microvllm.platforms import Platform, get_platform
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +106,7 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata=_cli(
         "float32, bfloat16 or float16; auto = float32 on a CPU, bfloat16 on CUDA"))
     device: str = field(default="auto", metadata=_cli(
-        "cpu, cuda, or auto (cuda where torch.cuda.is_available())"))
+        "cpu, cuda, or auto (cuda where a CUDA GPU is present)"))
     seed: int = field(default=0, metadata=_cli("seed of the shared sampling generator"))
     structured_outputs_backend: str = field(default="auto", metadata=_cli(
         "what compiles structured outputs: xgrammar, course (regex and choice), or auto"))
@@ -94,20 +116,22 @@ class EngineArgs:
         "longest prompt + output in tokens (default: the model's max_position_embeddings)"))
     block_size: int = field(default=16, metadata=_cli("tokens per KV cache block (a power of two)"))
     num_kv_blocks: int | None = field(default=None, metadata=_cli(
-        "KV cache blocks (default: sized from kv_cache_memory_bytes)"))
+        "KV cache blocks (default: as many as the KV budget holds, capped at what max_num_seqs "
+        "full-length requests could use)"))
     kv_cache_memory_bytes: int = field(default=DEFAULT_KV_CACHE_BYTES, metadata=_cli(
         "KV cache budget in bytes when num_kv_blocks is not given"))
     gpu_memory_utilization: float | None = field(default=None, metadata=_cli(
         "on CUDA: the fraction of free GPU memory the engine may use (default 0.9); on a CPU: "
         "the fraction of kv_cache_memory_bytes (1 GiB by default) the KV cache may use"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_cli(
-        "token budget of one engine step"))
+        "token budget of one engine step (default: 1024 with chunked prefill, else max_model_len)"))
     max_num_seqs: int = field(default=64, metadata=_cli("most requests in one step"))
     enable_prefix_caching: bool = field(default=True, metadata=_cli("reuse the KV of shared prompt prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_cli(
         "split long prompts over several steps"))
     attention_backend: str = field(default="auto", metadata=_cli(
-        "attention backend name: auto, torch, cpu, triton, ..."))
+        "attention backend name: torch, cpu, triton, ...; auto = on a CPU the C++ kernel where "
+        "it builds (torch with enforce_eager), on CUDA triton"))
     tensor_parallel_size: int = field(default=1, metadata=_cli(
         "split the model over this many worker processes (torch.distributed); 1: this process"))
     enforce_eager: bool = field(default=False, metadata=_cli(
@@ -153,47 +177,122 @@ class EngineArgs:
                       if hasattr(args, f.name)})
 
     # ------------------------------------------------------------- config
-    def create_engine_config(self) -> EngineConfig:
-        """Translate vLLM's options for one CPU process, then build a validated ``EngineConfig``."""
-        values: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)
-                                  if hasattr(self, f.name)}
-        values["dtype"] = self._resolve_dtype()
-        values.pop("gpu_memory_utilization")  # None here: EngineConfig's default (0.9)
-        if self._on_gpu():
-            self._check_fraction()
-            if self.gpu_memory_utilization is not None:
-                values["gpu_memory_utilization"] = self.gpu_memory_utilization
-        else:
-            values["kv_cache_memory_bytes"] = self._kv_cache_budget()
+    def create_engine_config(self, platform: Platform | None = None, hf_config=None) -> EngineConfig:
+        """Check every option, settle every ``"auto"`` against ``platform`` and the model's
+        config.json (``hf_config``; both found from the options when not given), and return
+        the frozen ``EngineConfig`` (vLLM's ``EngineArgs.create_engine_config``)::
+
+            option                   "auto" / None becomes
+            dtype                    the platform's (float32 on a CPU, bfloat16 on CUDA)
+            device                   cuda where a GPU is present, else cpu
+            attention_backend        the platform's default
+            max_model_len            the model's max_position_embeddings
+            max_num_batched_tokens   1024 with chunked prefill, else max_model_len
+            gpu_memory_utilization   the platform's KV budget (Platform.kv_cache_budget)
+        """
+        self._validate()
         self._check_process_options()
-        return EngineConfig(**values)
+        model_path = resolve_model_path(self.model)
+        hf_config = hf_config if hf_config is not None else load_config(model_path)
+        platform = platform or get_platform(self.device, enforce_eager=self.enforce_eager)
+        if platform.enforce_eager != self.enforce_eager:
+            raise ValueError(f"enforce_eager={self.enforce_eager} but the platform given was made with "
+                             f"enforce_eager={platform.enforce_eager}: make them agree")
+        dtype = platform.resolve_dtype(DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if dtype != self.dtype:
+            logger.info("dtype=%r: using %s, the %s platform's native precision",
+                        self.dtype, dtype, platform.name)
+        kv_cache_memory_bytes, gpu_memory_utilization = platform.kv_cache_budget(
+            self.kv_cache_memory_bytes, self.gpu_memory_utilization)
+        return EngineConfig(
+            model_config=ModelConfig(model=self.model, model_path=model_path, hf_config=hf_config,
+                                     dtype=dtype, seed=self.seed, generation_config=self.generation_config,
+                                     max_logprobs=self.max_logprobs),
+            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                                     num_kv_blocks=self.num_kv_blocks,
+                                     kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                     gpu_memory_utilization=gpu_memory_utilization),
+            scheduler_config=self._scheduler_config(hf_config.max_position_embeddings),
+            parallel_config=self._parallel_config(hf_config),
+            device_config=DeviceConfig(device=str(platform.device),
+                                       attention_backend=platform.resolve_attention_backend(self.attention_backend),
+                                       enforce_eager=self.enforce_eager),
+            structured_outputs_config=StructuredOutputsConfig(structured_outputs_backend=self.structured_outputs_backend),
+            profiler_config=self.profiler_config)
 
-    def _resolve_dtype(self):
-        return DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+    def _scheduler_config(self, max_position_embeddings: int) -> SchedulerConfig:
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = max_position_embeddings
+        elif max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_position_embeddings}: lower max_model_len")
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            # Chunked prefill lets a small budget serve any prompt; without it the
+            # whole longest prompt must fit in one step.
+            max_num_batched_tokens = 1024 if self.enable_chunked_prefill else max_model_len
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len "
+                f"(a prompt is scheduled whole), but {max_num_batched_tokens} < {max_model_len}: "
+                "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                               max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
 
-    def _on_gpu(self) -> bool:
-        """Will the engine run on CUDA? (``device="cuda"`` without a GPU fails later, in
-        ``get_platform``, with what to change.)"""
-        import torch
+    def _parallel_config(self, hf_config) -> ParallelConfig:
+        """Refuse a ``tensor_parallel_size`` the model cannot be split by, from config.json,
+        before any worker process starts (vLLM: ``ModelConfig.verify_with_parallel_config``):
+        the query heads, the KV heads (or the ranks, when there are fewer KV heads) and the
+        MLP's intermediate size must divide evenly. The vocabulary need not: it is padded."""
+        tp = self.tensor_parallel_size
+        shard_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
+        divide(hf_config.intermediate_size, tp, "intermediate_size")
+        return ParallelConfig(tensor_parallel_size=tp)
 
-        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
-
-    def _check_fraction(self) -> None:
+    def _validate(self) -> None:
+        """Every check of one option on its own, with what to change."""
+        check_components(self.components)
+        _positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, 8, 16, 32...)")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+            if self.num_kv_blocks < 2:
+                raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: the pool needs at least 2 blocks "
+                                 "(block 0 is the reserved null block)")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+            if self.max_num_batched_tokens < self.block_size:
+                raise ValueError(
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than one block "
+                    f"(block_size={self.block_size}): raise it to at least {self.block_size}")
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is not supported; choose one of {DEVICES}")
         fraction = self.gpu_memory_utilization
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                      or not 0 < fraction <= 1):
             raise ValueError(f"gpu_memory_utilization={fraction!r} must be a fraction in (0, 1], "
                              "e.g. 0.5 for half of the KV cache budget")
-
-    def _kv_cache_budget(self) -> int:
-        fraction = self.gpu_memory_utilization
-        if fraction is None:
-            return self.kv_cache_memory_bytes
-        self._check_fraction()
-        budget = int(fraction * self.kv_cache_memory_bytes)
-        logger.info("gpu_memory_utilization=%s: no GPU here; the KV cache may use %s of "
-                    "kv_cache_memory_bytes = %.0f MiB", fraction, fraction, budget / 2**20)
-        return max(budget, 1)
+        if not isinstance(self.attention_backend, str):
+            raise TypeError(f"attention_backend={self.attention_backend!r} must be a backend name such as 'torch'")
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"enforce_eager={self.enforce_eager!r} must be True or False")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise TypeError(f"seed={self.seed!r} must be an int")
+        _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int >= 0, or -1 for no limit")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r}: choose one of "
+                             f"{STRUCTURED_OUTPUT_BACKENDS}")
 
     def _check_process_options(self) -> None:
         if self.trust_remote_code:
@@ -205,6 +304,13 @@ class EngineArgs:
                              "folder; remove tokenizer= (or copy its files into the model folder)")
         if self.disable_log_stats:
             logger.info("disable_log_stats=True: microvllm logs no periodic stats; nothing to turn off")
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be at least 1")
 
 
 def check_engine_options(options: dict) -> None:
@@ -222,7 +328,8 @@ def check_engine_options(options: dict) -> None:
             described.append(f"{name!r} (a vLLM option that microvllm does not implement)")
         else:
             close = difflib.get_close_matches(name, known, n=1)
-            described.append(f"{name!r} ({f'did you mean {close[0]!r}?' if close else 'not a vLLM or microvllm option: a typo?'})")
+            hint = f"did you mean {close[0]!r}?" if close else "not a vLLM or microvllm option: a typo?"
+            described.append(f"{name!r} ({hint})")
     which = "an unknown argument" if len(unknown) == 1 else f"{len(unknown)} unknown arguments"
     raise TypeError(f"LLM() got {which}: {'; '.join(described)}: remove {'it' if len(unknown) == 1 else 'them'}. "
                     f"Valid arguments: {', '.join(sorted(known))}")

@@ -65,7 +65,7 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, **kwargs):
         check_engine_options(kwargs)
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = Engine(self.engine_args.create_engine_config())
+        self.engine = Engine.from_engine_args(self.engine_args)
         # A server must outlive one bad request: a step's exception fails that request only.
         self.engine.fault_isolation = FaultIsolation()
         self.metrics = ServingMetrics()

@@ -1,8 +1,10 @@
 """Engine: the step loop that ties scheduler, executor and output processing together.
 
-    __init__: platform ──> config.finalize ──> Executor (loads the model: here, or in
-              tensor_parallel_size worker processes, one shard each)
-              ──> _initialize_kv_caches (how many blocks) ──> KV cache manager, Scheduler
+    EngineArgs.create_engine_config() ──> EngineConfig (every "auto" settled; frozen)
+    __init__(config, components=, trace=, debug_invariants=):
+              platform ──> Executor (loads the model: here, or in tensor_parallel_size
+              worker processes, one shard each) ──> _initialize_kv_caches (how many
+              blocks fit: the executor measures) ──> KV cache manager, Scheduler
 
     add_request(id, prompt, params)
         process_request: every check and the tokenizer (the one validation)
@@ -32,11 +34,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from microvllm.config import EngineConfig, component, resolve_dtype
+from microvllm.config import EngineConfig
+from microvllm.config.components import check_components, component
 from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_manager import KVCacheManager, PoolTooSmallError
-from microvllm.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
-from microvllm.core.config import SchedulerConfig
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.scheduler import Scheduler
 from microvllm.detokenizer import IncrementalDetokenizer
@@ -48,13 +49,11 @@ from microvllm.engine.prompts import PromptProcessor
 from microvllm.engine.step_tracer import StepTracer
 from microvllm.executor import get_executor_class
 from microvllm.executor.multiproc_executor import WorkerError
-from microvllm.models.hub import resolve_model_path
-from microvllm.models.loader import load_config
-from microvllm.platforms import get_platform
+from microvllm.platforms import platform_for
 from microvllm.profiler import TorchProfiler
 from microvllm.sampling_params import SamplingParams
 from microvllm.structured_output import StructuredOutputManager
-from microvllm.worker.gpu_memory import num_gpu_blocks
+from microvllm.structured_output.backend_regex import TokenTrie
 
 logger = logging.getLogger(__name__)
 
@@ -75,46 +74,41 @@ class ProcessedRequest:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    """Built from a frozen ``EngineConfig`` (``EngineArgs.create_engine_config()``; or
+    ``Engine.from_engine_args``) and, beside it, the course's hooks: ``components`` (your
+    classes in place of the engine's, ``config/components.py``), ``trace`` (record every
+    step for the widgets) and ``debug_invariants`` (check the bookkeeping after every step).
+    The engine reads the config and writes to none of it."""
+
+    def __init__(self, config: EngineConfig, *, components: dict[str, type] | None = None,
+                 trace: bool = False, debug_invariants: bool = False):
+        check_components(components)
         self.config = config
-        self.model_path = resolve_model_path(config.model)  # a folder, a cached hub id, or None
-        self.platform = get_platform(config.device, enforce_eager=config.enforce_eager)
-        self.model_config = load_config(self.model_path)
-        # Every default that depends on the model or the platform is settled here, once,
-        # before anything is built from the config.
-        dtype = self.platform.resolve_dtype(config.dtype)
-        if dtype != config.dtype:
-            logger.info("dtype=%r: using %s, the %s platform's native precision",
-                        config.dtype, dtype, self.platform.name)
-        config.finalize(self.model_config.max_position_embeddings,
-                        self.platform.resolve_attention_backend(config.attention_backend),
-                        device=self.platform.device.type, dtype=dtype)
-        self.prompts = PromptProcessor.from_model_folder(self.model_path)
-        self.prompts.vocab_size = self.model_config.vocab_size
-        config.verify_with_model_config(self.model_config)   # before any worker starts
+        self.components = components
+        self.debug_invariants = debug_invariants
+        model_config, cache_config = config.model_config, config.cache_config
+        self.model_path = model_config.model_path
+        self.platform = platform_for(config.device_config)
+        self.prompts = PromptProcessor.from_model_folder(self.model_path,
+                                                         vocab_size=model_config.hf_config.vocab_size)
         # One worker here (tensor_parallel_size=1), or one process per rank.
-        self.executor = get_executor_class(config)(config, self.model_path, self.prompts.eos_token_ids,
-                                                   self.platform, hf_config=self.model_config)
-        config.num_kv_blocks = self._initialize_kv_caches()
-        layout = self.executor.kv_cache_layout
-        specs = [SlidingWindowSpec(config.block_size, g.sliding_window) if g.sliding_window
-                 else FullAttentionSpec(config.block_size) for g in layout.groups]
-        # component(): the class given in config.components (an exercise's), else the engine's.
-        self.kv_cache_manager = component(config, "kv_cache_manager", KVCacheManager)(
-            specs, config.num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-            block_pool_class=component(config, "block_pool", BlockPool))
-        self.scheduler = component(config, "scheduler", Scheduler)(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=config.max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
-            self.kv_cache_manager)
+        self.executor = get_executor_class(config.parallel_config)(
+            config, self.prompts.eos_token_ids, self.platform, components)
+        self.num_kv_blocks = self._initialize_kv_caches()
+        block_size = cache_config.block_size
+        specs = self.executor.kv_cache_layout.kv_cache_specs(block_size)   # one per cache group
+        # component(): the class given in components (an exercise's), else the engine's.
+        self.kv_cache_manager = component(components, "kv_cache_manager", KVCacheManager)(
+            specs, self.num_kv_blocks, block_size, enable_caching=cache_config.enable_prefix_caching,
+            block_pool_class=component(components, "block_pool", BlockPool))
+        self.scheduler = component(components, "scheduler", Scheduler)(config.scheduler_config,
+                                                                         self.kv_cache_manager)
         self.structured_output_manager = StructuredOutputManager(
-            self.prompts.tokenizer, self.model_config.vocab_size, config.structured_outputs_backend,
-            token_trie=component(config, "token_trie", None))   # None: the course backend's own TokenTrie
+            self.prompts.tokenizer, model_config.hf_config.vocab_size, config.structured_outputs_config.structured_outputs_backend,
+            token_trie=component(components, "token_trie", TokenTrie))   # the course backend's vocabulary trie
         self.output_processor = OutputProcessor(
-            self.prompts.tokenizer, component(config, "detokenizer", IncrementalDetokenizer))
-        self.tracer = StepTracer(self.scheduler, self.model_config.vocab_size) if config.trace else None
+            self.prompts.tokenizer, component(components, "detokenizer", IncrementalDetokenizer))
+        self.tracer = StepTracer(self.scheduler, model_config.hf_config.vocab_size) if trace else None
         # Serving (AsyncLLM) sets a FaultIsolation here: a step's exception then fails
         # only the request at fault. Offline (None) it is raised, as vLLM's LLM does.
         self.fault_isolation: FaultIsolation | None = None
@@ -122,27 +116,23 @@ class Engine:
         self.profiler: TorchProfiler | None = None
 
     def _initialize_kv_caches(self) -> int:
-        """How many KV blocks: ``num_kv_blocks`` if given, else as many as fit (on a CPU in
-        ``kv_cache_memory_bytes``; on a GPU in ``gpu_memory_utilization`` of its free
-        memory, less the profiling pass's peak: ``worker/gpu_memory.py``), but no more than
-        could ever be used. The executor then allocates them (vLLM:
+        """How many KV blocks: ``num_kv_blocks`` if given, else as many as the executor
+        says fit (the platform measures: on a CPU ``kv_cache_memory_bytes``; on a GPU
+        ``gpu_memory_utilization`` of its free memory, less the profiling pass's peak),
+        but no more than could ever be used. The executor then allocates them (vLLM:
         ``EngineCore._initialize_kv_caches``)."""
-        config = self.config
-        per_block = self.executor.kv_cache_bytes_per_block()
-        num_blocks = config.num_kv_blocks
+        cache, scheduler = self.config.cache_config, self.config.scheduler_config
+        num_blocks = cache.num_kv_blocks
         if num_blocks is None:
-            if self.platform.device.type == "cuda":
-                fits = num_gpu_blocks(self.executor.profile_memory(), config.gpu_memory_utilization,
-                                      per_block)
-            else:
-                fits = config.kv_cache_memory_bytes // per_block
+            fits = self.executor.determine_num_kv_blocks()
             # No more than max_num_seqs requests of max_model_len tokens could ever use
             # (+1: the null block); a tiny model would otherwise get ~100k blocks.
-            most_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
+            most_useful = scheduler.max_num_seqs * -(-scheduler.max_model_len // cache.block_size) + 1
             num_blocks = max(2, min(fits, most_useful))
             logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", num_blocks,
-                        config.block_size, (num_blocks - 1) * config.block_size,
-                        num_blocks * per_block / 2**20, resolve_dtype(config.dtype))
+                        cache.block_size, (num_blocks - 1) * cache.block_size,
+                        num_blocks * self.executor.kv_cache_bytes_per_block() / 2**20,
+                        self.config.model_config.torch_dtype)
         self.executor.initialize_kv_cache(num_blocks)
         return num_blocks
 
@@ -161,7 +151,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.verify()  # again: a field may have been set after construction
-        check_params_for_model(params, self.prompts.vocab_size, self.config.max_logprobs)
+        check_params_for_model(params, self.prompts.vocab_size, self.config.model_config.max_logprobs)
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id={request_id!r} must be a non-empty string")
         # The n > 1 samples get ids "0_7", "1_7", ...: those must be free too.
@@ -191,14 +181,14 @@ class Engine:
             text = prompt.get("prompt")
         if isinstance(text, str) and truncate is None and self.prompts.tokenizer is not None:
             min_tokens = len(text) // self.prompts.max_token_chars
-            if min_tokens >= self.config.max_model_len:
+            if min_tokens >= self.config.scheduler_config.max_model_len:
                 which = f"request {name!r}: the prompt" if name else "prompt"
                 raise ValueError(f"{which} has {len(text):,} characters, so at least {min_tokens:,} tokens, but "
-                                 f"max_model_len is {self.config.max_model_len}: shorten the prompt "
+                                 f"max_model_len is {self.config.scheduler_config.max_model_len}: shorten the prompt "
                                  "(or set truncate_prompt_tokens)")
         text, token_ids = self.prompts.process(prompt)
         if truncate is not None:
-            keep = self.config.max_model_len - 1 if truncate == -1 else truncate
+            keep = self.config.scheduler_config.max_model_len - 1 if truncate == -1 else truncate
             if len(token_ids) > keep:   # the last `keep` tokens: the end of a long text matters most
                 token_ids = token_ids[-keep:]
                 text = self.prompts.tokenizer.decode(token_ids, skip_special_tokens=False) \
@@ -221,13 +211,13 @@ class Engine:
         for index, child_id in enumerate(child_ids):
             self.scheduler.add_request(Request(
                 child_id, token_ids, _child_params(params, index),
-                eos_token_id=self.prompts.eos_token_id, block_size=self.config.block_size,
+                eos_token_id=self.prompts.eos_token_id, block_size=self.config.cache_config.block_size,
                 arrival_time=now, cache_salt=salt))
 
     def _check_fits(self, request_id: str, token_ids: list[int]) -> None:
         """Raise if this prompt could never run: too long for ``max_model_len`` (with room for
         one new token), or for the whole pool (in chunks of at most one step's budget)."""
-        max_len = self.config.max_model_len
+        max_len = self.config.scheduler_config.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(f"request {request_id!r}: the prompt has {len(token_ids)} tokens but "
                              f"max_model_len is {max_len} (room is needed for at least one new "
@@ -235,10 +225,11 @@ class Engine:
         # The prompt (in chunks of at most one step's budget) plus one new token must fit
         # in the pool on its own, or it never runs.
         manager = self.kv_cache_manager
-        num_blocks = manager.num_blocks_to_start(len(token_ids), self.config.max_num_batched_tokens)
+        num_blocks = manager.num_blocks_to_start(len(token_ids),
+                                                 self.config.scheduler_config.max_num_batched_tokens)
         if num_blocks > manager.num_usable_blocks:
             raise PoolTooSmallError(request_id, len(token_ids) + 1, num_blocks,
-                                    manager.num_usable_blocks, self.config.block_size)
+                                    manager.num_usable_blocks, self.config.cache_config.block_size)
 
     def abort_request(self, request_id: str | Iterable[str]) -> bool:
         """Stop a request (all its samples) and free its blocks; ``request_id`` may also be
@@ -293,7 +284,7 @@ class Engine:
         self._forget_finished_grammars()
         if self.tracer is not None:
             self.tracer.record(plan, traced, core_outputs, stopped)
-        if self.config.debug_invariants:
+        if self.debug_invariants:
             self.check_invariants()
         self.num_steps += 1
         return outputs
@@ -354,7 +345,7 @@ class Engine:
                                        RequestStatus.FINISHED_ABORTED)
         failed = self.output_processor.fail(
             request_id, f"the request failed inside an engine step: {type(error).__name__}: {error}")
-        if self.config.debug_invariants:
+        if self.debug_invariants:
             self.check_invariants()
         return [failed] if failed is not None else []
 
@@ -377,8 +368,10 @@ class Engine:
     # ------------------------------------------------------ vLLM's surface
     @classmethod
     def from_engine_args(cls, engine_args) -> "Engine":
-        """Build an engine from ``EngineArgs`` (vLLM's ``LLMEngine.from_engine_args``)."""
-        return cls(engine_args.create_engine_config())
+        """Build an engine from ``EngineArgs`` (vLLM's ``LLMEngine.from_engine_args``): the
+        resolved config, and the course's hooks beside it."""
+        return cls(engine_args.create_engine_config(), components=engine_args.components,
+                   trace=engine_args.trace, debug_invariants=engine_args.debug_invariants)
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer (vLLM's ``get_tokenizer``); None for a folder without one."""

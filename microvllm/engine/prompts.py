@@ -16,11 +16,11 @@ class PromptProcessor:
         self.vocab_size = vocab_size
 
     @classmethod
-    def from_model_folder(cls, folder: Path) -> "PromptProcessor":
+    def from_model_folder(cls, folder: Path, vocab_size: int | None = None) -> "PromptProcessor":
         has_tokenizer = (folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()
         tokenizer = Tokenizer.from_pretrained(folder) if has_tokenizer else None
         eos = set(tokenizer.eos_token_ids) if tokenizer else _config_eos(folder)
-        return cls(tokenizer, eos, None)
+        return cls(tokenizer, eos, vocab_size)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -47,7 +47,10 @@ class PromptProcessor:
         """The most characters one token can stand for: a bound for "this text needs at
         least len(text) / max_token_chars tokens" (a byte-level token's string has one
         character per byte, so its decoded text is never longer)."""
-        tokens = self.tokenizer.convert_ids_to_tokens(list(range(self.tokenizer.vocab_size)))
+        tokenizer = self.tokenizer
+        if tokenizer is None:   # no text prompts at all: nothing to bound
+            return 1
+        tokens = tokenizer.convert_ids_to_tokens(list(range(tokenizer.vocab_size)))
         return max(1, max(len(t) for t in tokens if t is not None))
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:

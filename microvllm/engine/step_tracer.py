@@ -36,8 +36,7 @@ class StepTracer:
         self.sink = TraceSink(
             block_size=manager.block_size, num_blocks=pool.num_blocks,
             max_num_batched_tokens=scheduler.max_num_batched_tokens, max_num_seqs=scheduler.max_num_seqs,
-            kv_cache_groups=["sliding_window" if isinstance(s, SlidingWindowSpec) else "full_attention"
-                             for s in manager.kv_cache_groups],
+            kv_cache_groups=[spec.kind for spec in manager.kv_cache_groups],
             sliding_window=windows[0] if windows else None, null_block_id=pool.null_block.block_id)
         self._after_schedule: tuple[Tables, list[int]] | None = None
 

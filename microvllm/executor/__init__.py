@@ -12,10 +12,9 @@ from microvllm.executor.multiproc_executor import MultiprocExecutor, WorkerProc
 from microvllm.executor.uniproc_executor import UniProcExecutor
 
 
-
-def get_executor_class(config) -> type[Executor]:
-    """The executor for this config's ``tensor_parallel_size`` (vLLM: ``Executor.get_class``)."""
-    return UniProcExecutor if config.tensor_parallel_size == 1 else MultiprocExecutor
+def get_executor_class(parallel_config) -> type[Executor]:
+    """The executor for ``parallel_config.tensor_parallel_size`` (vLLM: ``Executor.get_class``)."""
+    return UniProcExecutor if parallel_config.tensor_parallel_size == 1 else MultiprocExecutor
 
 
 __all__ = ["Executor", "MultiprocExecutor", "UniProcExecutor", "WorkerProc", "get_executor_class"]

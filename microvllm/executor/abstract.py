@@ -3,7 +3,7 @@
 
     engine ──> executor.kv_cache_layout            which layers share a block table
                executor.kv_cache_bytes_per_block() what one block costs (on one rank)
-               executor.profile_memory()           on a GPU: what is left for the cache
+               executor.determine_num_kv_blocks()  how many fit (a GPU: after a profiling pass)
                executor.initialize_kv_cache(n)     allocate n blocks (on every rank)
                executor.execute_model(plan)        one step -> ModelRunnerOutput
                executor.collective_rpc(name)       any other Worker method, on every rank
@@ -22,7 +22,12 @@ from abc import ABC, abstractmethod
 
 
 class Executor(ABC):
-    """Built as ``cls(config, model_path, eos_token_ids, platform, hf_config=None)``."""
+    """Built from the frozen ``EngineConfig`` and, beside it, the course's ``components``
+    (the worker builds the model runner, block table and sampler classes found there)."""
+
+    @abstractmethod
+    def __init__(self, config, eos_token_ids: set[int], platform, components: dict[str, type] | None = None):
+        """Load the model (on every rank) onto ``platform``'s device."""
 
     @property
     @abstractmethod
@@ -34,8 +39,9 @@ class Executor(ABC):
         """Bytes of one KV block on one rank (a rank holds only its KV heads)."""
 
     @abstractmethod
-    def profile_memory(self):
-        """On a GPU: run the profiling pass and return the ``MemoryProfile``."""
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks fit on one rank, as the platform measures it (on a GPU, after
+        a profiling pass of the largest batch)."""
 
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -76,8 +76,8 @@ class _Reply:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config, model_path, eos_token_ids: set[int], platform, hf_config=None):
-        self.world_size = config.tensor_parallel_size
+    def __init__(self, config, eos_token_ids: set[int], platform, components=None):
+        self.world_size = config.parallel_config.tensor_parallel_size
         self._call_ids = iter(range(1, 1 << 62))
         self._failed: str | None = None
         context = get_context("spawn")
@@ -88,8 +88,8 @@ class MultiprocExecutor(Executor):
             ours, theirs = context.Pipe()
             proc = context.Process(
                 target=WorkerProc.worker_main, name=f"microvllm-tp-rank{rank}", daemon=True,
-                args=(rank, self.world_size, self._rendezvous.port, config, model_path, eos_token_ids,
-                      hf_config, theirs, os.getpid()))
+                args=(rank, self.world_size, self._rendezvous.port, config, eos_token_ids,
+                      components, theirs, os.getpid()))
             proc.start()
             theirs.close()   # the child's end: ours would keep it open after the child dies
             self.procs.append(proc)
@@ -106,8 +106,8 @@ class MultiprocExecutor(Executor):
     def kv_cache_bytes_per_block(self) -> int:
         return self._bytes_per_block
 
-    def profile_memory(self):
-        return self.collective_rpc("profile_memory")  # rank 0's (every GPU alike)
+    def determine_num_kv_blocks(self) -> int:
+        return self.collective_rpc("determine_num_kv_blocks")  # rank 0's (every GPU alike)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", num_blocks)
@@ -158,7 +158,7 @@ class MultiprocExecutor(Executor):
                     continue
                 # An error, or no answer yet. A death is the root cause: after one, the other
                 # ranks fail in their collectives ("Connection reset by peer"), so it comes first.
-                self._fail_if_a_worker_died(method, raised=None if reply is None else (rank, reply.value))
+                self._fail_if_a_worker_died(method, raised=None if reply is None else (rank, str(reply.value)))
                 pid = self.procs[rank].pid
                 if reply is not None:
                     self._fail(f"worker rank {rank} (pid {pid}) raised in {method}():\n{reply.value}")
@@ -215,33 +215,31 @@ class WorkerProc:
     """One rank, in its own process: joins the process group, builds a ``Worker`` over its
     shard of the model, then runs whatever the executor sends until told to stop."""
 
-    def __init__(self, rank: int, world_size: int, store_port: int, config, model_path,
-                 eos_token_ids: set[int], hf_config=None):
+    def __init__(self, rank: int, world_size: int, store_port: int, config, eos_token_ids: set[int],
+                 components=None):
         import torch
 
         from microvllm.distributed import init_distributed_environment
-        from microvllm.platforms import get_platform
+        from microvllm.platforms import platform_for
         from microvllm.worker.worker import Worker
 
         self.rank = rank
         # The ranks share this machine's cores: without this each would use all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        platform = get_platform(config.device, enforce_eager=config.enforce_eager)
-        on_gpu = platform.device.type == "cuda"
-        if on_gpu:
-            torch.cuda.set_device(rank)   # one GPU per rank
-        init_distributed_environment(world_size, rank, store_port, backend="nccl" if on_gpu else "gloo",
+        platform = platform_for(config.device_config)
+        platform.set_device(rank)   # one GPU per rank (nothing to do on a CPU)
+        init_distributed_environment(world_size, rank, store_port, backend=platform.distributed_backend,
                                      timeout_s=PROCESS_GROUP_TIMEOUT_S)
-        self.worker = Worker(config, model_path, eos_token_ids, platform, hf_config)
+        self.worker = Worker(config, eos_token_ids, platform, components)
 
     @staticmethod
-    def worker_main(rank, world_size, store_port, config, model_path, eos_token_ids, hf_config,
+    def worker_main(rank, world_size, store_port, config, eos_token_ids, components,
                     pipe, parent_pid: int) -> None:
         """The worker process's entry point."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C: the engine process decides
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
         try:
-            proc = WorkerProc(rank, world_size, store_port, config, model_path, eos_token_ids, hf_config)
+            proc = WorkerProc(rank, world_size, store_port, config, eos_token_ids, components)
             worker = proc.worker
             pipe.send(_Reply(0, True, (worker.model.layout, worker.kv_cache_bytes_per_block())))
         except BaseException:

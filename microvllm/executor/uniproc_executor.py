@@ -9,8 +9,8 @@ from microvllm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config, model_path, eos_token_ids: set[int], platform, hf_config=None):
-        self.worker = Worker(config, model_path, eos_token_ids, platform, hf_config)
+    def __init__(self, config, eos_token_ids: set[int], platform, components=None):
+        self.worker = Worker(config, eos_token_ids, platform, components)
 
     @property
     def kv_cache_layout(self):
@@ -19,8 +19,8 @@ class UniProcExecutor(Executor):
     def kv_cache_bytes_per_block(self) -> int:
         return self.worker.kv_cache_bytes_per_block()
 
-    def profile_memory(self):
-        return self.worker.profile_memory()
+    def determine_num_kv_blocks(self) -> int:
+        return self.worker.determine_num_kv_blocks()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)

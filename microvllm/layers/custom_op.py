@@ -44,6 +44,12 @@ class CustomOp(nn.Module):
         self._forward_method = implementation if implementation is not None else self.forward_native
 
     @property
+    def forward_method(self) -> Callable:
+        """The version ``forward`` runs: ``forward_native``, or what the platform bound with
+        ``use`` (the CPU's decode fast path reads the packed weights from it)."""
+        return self._forward_method
+
+    @property
     def implementation(self) -> str:
         """Which version ``forward`` runs: ``"native"`` or the platform version's name."""
         method = self._forward_method

@@ -47,8 +47,9 @@ class RotaryEmbedding(nn.Module):
 
     def build_table(self, device=None) -> None:
         """(Re)compute the ``[max_position, head_dim/2]`` cos/sin tables in float32; they
-        are cast with the model, as Hugging Face casts them to the query's dtype. The loader calls this again after materialising a
-        model built on the meta device (buffers are not in the checkpoint)."""
+        are cast with the model, as Hugging Face casts them to the query's dtype. The
+        loader calls this again after materialising a model built on the meta device
+        (buffers are not in the checkpoint)."""
         inv_freq, scaling = inverse_frequencies(self.config, self.head_dim)
         angles = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
         self.cos = (angles.cos() * scaling).to(device)

@@ -16,17 +16,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class CacheGroupKind:
-    kind: str  # "full_attention" | "sliding_window"
-    sliding_window: int | None = None
+from microvllm.core.kv_cache_spec import KVCacheSpec, attention_spec
 
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    groups: tuple[CacheGroupKind, ...]
+    """``sliding_windows[g]``: the window of cache group ``g`` (None: full attention);
+    ``layer_to_group[i]``: layer ``i``'s group. What each group needs is core's
+    ``KVCacheSpec`` (``kv_cache_specs``): the kind of a group is written down there, once."""
+
+    sliding_windows: tuple[int | None, ...]
     layer_to_group: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.sliding_windows)
+
+    def kv_cache_specs(self, block_size: int) -> list[KVCacheSpec]:
+        """One spec per cache group, for blocks of ``block_size`` tokens."""
+        return [attention_spec(block_size, window) for window in self.sliding_windows]
 
     @classmethod
     def from_config(cls, config) -> "KVCacheLayout":
@@ -38,19 +46,20 @@ class KVCacheLayout:
         if len(layer_types) != num_layers:
             raise ValueError(f"config.layer_types has {len(layer_types)} entries but "
                              f"num_hidden_layers is {num_layers}")
-        kinds, layer_to_group = [], []
-        for layer_type in layer_types:
+        windows: list[int | None] = []
+        layer_to_group = []
+        for layer_type in layer_types:   # Hugging Face's names for the two kinds of layer
             if layer_type == "full_attention":
-                kind = CacheGroupKind("full_attention")
+                layer_window = None
             elif layer_type == "sliding_attention":
                 if not window:
                     raise ValueError("config.layer_types asks for sliding_attention "
                                      "but config.sliding_window is not set")
-                kind = CacheGroupKind("sliding_window", int(window))
+                layer_window = int(window)
             else:
                 raise ValueError(f"layer type {layer_type!r} in config.layer_types is not "
                                  "supported (only full_attention and sliding_attention)")
-            if kind not in kinds:
-                kinds.append(kind)
-            layer_to_group.append(kinds.index(kind))
-        return cls(tuple(kinds), tuple(layer_to_group))
+            if layer_window not in windows:
+                windows.append(layer_window)
+            layer_to_group.append(windows.index(layer_window))
+        return cls(tuple(windows), tuple(layer_to_group))

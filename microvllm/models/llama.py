@@ -32,6 +32,7 @@ from torch import nn
 
 from microvllm.attention.backend import AttentionBackend
 from microvllm.attention.metadata import AttentionMetadata
+from microvllm.core.kv_cache_spec import KVCacheSpec
 from microvllm.layers.activation import SiluAndMul
 from microvllm.layers.attention import Attention
 from microvllm.layers.layernorm import RMSNorm
@@ -62,7 +63,7 @@ class LlamaAttention(nn.Module):
         group = layout.layer_to_group[layer_idx]
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim ** -0.5, backend=backend,
-                              sliding_window=layout.groups[group].sliding_window,
+                              sliding_window=layout.sliding_windows[group],
                               kv_cache_group=group)
 
     def forward(self, cos_sin, hidden, kv_cache, metadata: AttentionMetadata):
@@ -132,6 +133,12 @@ class LlamaForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tie_weights()
+
+    def get_kv_cache_spec(self, block_size: int) -> list[KVCacheSpec]:
+        """What each layer's KV cache needs, as core's specs (vLLM's ``get_kv_cache_spec``);
+        layers with equal specs share a cache group (``self.layout``)."""
+        specs = self.layout.kv_cache_specs(block_size)
+        return [specs[group] for group in self.layout.layer_to_group]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: list[AttentionMetadata]) -> torch.Tensor:

@@ -78,7 +78,8 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-        hint = f" (found {pickles}: pickle checkpoints are never loaded; convert them to safetensors)" if pickles else ""
+        hint = (f" (found {pickles}: pickle checkpoints are never loaded; convert them to safetensors)"
+                if pickles else "")
         raise FileNotFoundError(f"no *.safetensors file in {folder}{hint}")
     return files
 

@@ -1,7 +1,8 @@
 """Platforms: what depends on the hardware, chosen once per engine.
 
-    interface.py           Platform: device, default dtype and attention backend, the ops'
-                           fast versions, the decode-step runner
+    interface.py           Platform: device, default dtype and attention backend, the KV
+                           cache's size, the ops' fast versions, the decode-step runner,
+                           the collective backend
     cpu/                   CpuPlatform and everything speed-only on a CPU: the C++ kernels
                            (built from microvllm/csrc/), packed GEMMs, the CPU attention
                            backend, the decode fast path
@@ -9,6 +10,7 @@
     cuda_graph.py          CUDAGraphWrapper: capture a decode step once per batch size, replay
     padded_decode_batch.py the capture sizes and the padding of a decode batch to one of them
                            (no CUDA in it: tested on a CPU)
+    gpu_memory.py          how many KV blocks fit on a GPU, from its memory readings
 
 The lesson path (core, engine, worker, models, layers, attention's reference and Triton
 kernels, sampler) never imports this package's kernels; ``LLM(enforce_eager=True)`` runs
@@ -53,4 +55,10 @@ def get_platform(device: str = "cpu", enforce_eager: bool = False) -> Platform:
     return CpuPlatform(enforce_eager=enforce_eager)
 
 
-__all__ = ["DEVICES", "Platform", "get_platform", "resolve_device"]
+def platform_for(device_config) -> Platform:
+    """The platform a resolved ``DeviceConfig`` names (the engine's, and each worker
+    process's): its device, and whether it runs the plain code (``enforce_eager``)."""
+    return get_platform(device_config.device, enforce_eager=device_config.enforce_eager)
+
+
+__all__ = ["DEVICES", "Platform", "get_platform", "platform_for", "resolve_device"]

@@ -24,7 +24,6 @@ request arrives), so its random stream continues from step to step.
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass, field
 
 import torch

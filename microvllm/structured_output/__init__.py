@@ -23,8 +23,11 @@ import time
 
 import torch
 
-from microvllm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
-                                                       StructuredOutputOptions)
+from microvllm.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    StructuredOutputOptions,
+)
 from microvllm.structured_output.bitmask import allocate_bitmask
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from microvllm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
-                                                       StructuredOutputOptions)
+from microvllm.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    StructuredOutputOptions,
+)
 from microvllm.structured_output.bitmask import pack
 from microvllm.structured_output.regex_dfa import RegexDFA
 

@@ -8,8 +8,11 @@ import json
 
 import torch
 
-from microvllm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
-                                                       StructuredOutputOptions)
+from microvllm.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    StructuredOutputOptions,
+)
 
 
 class XgrammarGrammar(StructuredOutputGrammar):

@@ -31,7 +31,6 @@ from microvllm.viz.canvas import figure_and_axes
 from microvllm.viz.cell_labels import add_cell_labels, label_width_points
 from microvllm.viz.summary import scheduled_before
 
-
 MIN_BAR_FRACTION = 0.02          # of the x axis: the narrowest bar drawn
 
 

@@ -14,9 +14,9 @@ collection, gid `tables-ids`; the row names `tables-rows` (see `cell_labels`).
 from __future__ import annotations
 
 from matplotlib.axes import Axes
+from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.transforms import offset_copy
-from matplotlib.collections import PolyCollection
 
 from microvllm.trace import Trace
 from microvllm.viz import colors

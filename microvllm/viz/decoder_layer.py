@@ -1,7 +1,8 @@
 """One decoder layer's data flow, with the shapes of a real model (notebook 02).
 
-    residual ─────────────┬──────────────────────────┬──────────> residual
-    hidden ─> RMSNorm (+) ┴> qkv_proj ─> RoPE ─> attention ─> o_proj ─> RMSNorm (+) ┴> gate_up ─> SiLU·mul ─> down_proj ─> hidden
+    residual ─────────────┬─────────────────────────────────────────────┬──────> residual
+    hidden ─> RMSNorm (+) ┴> qkv_proj ─> RoPE ─> attention ─> o_proj ─> RMSNorm (+) ┴>
+              gate_up ─> SiLU·mul ─> down_proj ─> hidden
 
 drawn top to bottom: one box per module, the tensor that leaves it written beside the arrow
 (``[T, ...]``: T tokens of this step, whatever requests they belong to), and the residual

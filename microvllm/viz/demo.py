@@ -24,8 +24,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from microvllm.core import (FullAttentionSpec, KVCacheManager, Request, Scheduler, SchedulerConfig,
-                            SlidingWindowSpec)
+from microvllm.core import FullAttentionSpec, KVCacheManager, Request, Scheduler, SchedulerConfig, SlidingWindowSpec
 from microvllm.engine.step_tracer import StepTracer
 from microvllm.sampling_params import SamplingParams
 from microvllm.trace import Trace

@@ -19,6 +19,7 @@ request's tokens and block table between steps (``CachedRequestState``,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ from microvllm.attention.metadata import AttentionMetadata
 from microvllm.sample.logprobs import LogprobsLists, prompt_logprobs_of_chunk
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.sampler import Sampler
+from microvllm.sampling_params import SamplingParams
 from microvllm.structured_output.bitmask import apply_bitmask
 from microvllm.worker.block_table import BlockTable
 
@@ -36,7 +38,7 @@ class CachedRequestState:
     req_id: str
     token_ids: list[int]          # prompt + outputs known to the runner
     num_prompt_tokens: int
-    sampling_params: object
+    sampling_params: SamplingParams
     generator: torch.Generator | None
     num_computed_tokens: int = 0
 
@@ -53,12 +55,46 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)   # this chunk's rows
 
 
+@dataclass
+class ModelInputs:
+    """One step's inputs, as ``_prepare_inputs`` lays them out (the module docstring
+    draws them). Built on the CPU; ``to(device)`` moves the tensors where the model is.
+
+    req_ids               the batch's requests, in row order (decodes first)
+    states                each one's ``CachedRequestState`` (same order)
+    input_ids, positions  one row per scheduled token
+    attn_metadata         one ``AttentionMetadata`` per cache group
+    sampling_req_indices  batch indices of the requests that sample this step
+    logits_indices        the row of each one's logits (its chunk's last row)
+    """
+
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: list[AttentionMetadata]
+    sampling_req_indices: list[int]
+    logits_indices: torch.Tensor
+
+    def to(self, device: torch.device) -> "ModelInputs":
+        """The step's tensors on ``device`` (as vLLM copies its CPU-built inputs to the GPU);
+        the host lists (``query_start_loc_cpu``, ``seq_lens_cpu``) stay. Where they already
+        are (a CPU), nothing is copied: ``Tensor.to`` returns the tensor itself."""
+        for m in self.attn_metadata:
+            m.query_start_loc, m.seq_lens = m.query_start_loc.to(device), m.seq_lens.to(device)
+            m.block_table, m.slot_mapping = m.block_table.to(device), m.slot_mapping.to(device)
+        return dataclasses.replace(self, input_ids=self.input_ids.to(device), positions=self.positions.to(device),
+                                   logits_indices=self.logits_indices.to(device))
+
+
 class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], *, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
                  seed: int, sampler_class: type[Sampler] = Sampler,
                  block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None, device="cpu"):
-        self.model, self.device = model, torch.device(device)  # device: see _to_device
+        # Where the model and its inputs are, with its index ("cuda:0") as tensors and
+        # generators report theirs.
+        self.model, self.device = model, torch.empty(0, device=device).device
         # The platform's runner for decode-only steps (the CPU's decode fast path; CUDA
         # graphs on a GPU), or None (enforce_eager=True, or none applies here).
         self.decode_step_runner = decode_step_runner
@@ -67,10 +103,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.sampler = sampler_class(seed)  # its generator serves requests without a seed
+        if self.sampler.generator.device != self.device:   # noise is drawn where the logits are
+            self.sampler.generator = make_generator(seed, self.device)
         self.requests: dict[str, CachedRequestState] = {}
         max_blocks = -(-max_model_len // block_size)
         self.block_tables = [block_table_class(max_num_seqs, max_blocks, block_size)
-                             for _ in model.layout.groups]
+                             for _ in range(model.layout.num_groups)]
         # Persistent input buffers: each step fills a prefix of them in place.
         self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
         self.positions = torch.zeros(max_num_batched_tokens, dtype=torch.long)
@@ -103,12 +141,11 @@ class ModelRunner:
                 table.remove_request(req_id)
 
     # --------------------------------------------------------------- inputs
-    def _prepare_inputs(self, plan):
+    def _prepare_inputs(self, plan) -> ModelInputs:
         """Flatten this step's plan into the model's inputs (see the module docstring).
 
-        Returns ``(req_ids, states, input_ids, positions, metadata, sampling,
-        logits_indices)``: the batch's requests in row order and their states; one row
-        per scheduled token (``input_ids``, ``positions``); one ``AttentionMetadata``
+        Returns a ``ModelInputs``: the batch's requests in row order and their states; one
+        row per scheduled token (``input_ids``, ``positions``); one ``AttentionMetadata``
         per cache group (``query_start_loc``, ``seq_lens``, ``block_table``,
         ``slot_mapping``); the batch indices of the requests that sample this step and
         the row of each one's logits (its last row)."""
@@ -153,7 +190,8 @@ class ModelRunner:
         # Only requests whose chunk reaches their last known token sample a new one.
         sampling = [i for i, (s, n) in enumerate(zip(seq_lens_cpu, states)) if s == len(n.token_ids)]
         logits_indices = torch.tensor([qsl_cpu[i + 1] - 1 for i in sampling], dtype=torch.long)
-        return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
+        return ModelInputs(req_ids=req_ids, states=states, input_ids=input_ids, positions=positions,
+                           attn_metadata=metadata, sampling_req_indices=sampling, logits_indices=logits_indices)
         ### END SOLUTION
 
     # ------------------------------------------------------------------ step
@@ -173,16 +211,17 @@ class ModelRunner:
         self._update_states(plan)
         if plan.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {})
-        req_ids, states, input_ids, positions, metadata, sampling, logits_indices = \
-            self._to_device(*self._prepare_inputs(plan))
-        hidden = self.run_model(input_ids, positions, metadata)
-        prompt_logprobs = self._prompt_logprobs(req_ids, states, hidden, metadata[0], plan)
+        inputs = self._prepare_inputs(plan).to(self.device)
+        req_ids, states = inputs.req_ids, inputs.states
+        self._make_generators_on_device(states)
+        hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        prompt_logprobs = self._prompt_logprobs(req_ids, states, hidden, inputs.attn_metadata[0], plan)
         for state, req_id in zip(states, req_ids):
             state.num_computed_tokens += plan.num_scheduled_tokens[req_id]
-        if not sampling:
+        if not inputs.sampling_req_indices:
             return ModelRunnerOutput([], {}, prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
-        sampled_states = [states[i] for i in sampling]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        sampled_states = [states[i] for i in inputs.sampling_req_indices]
         if plan.grammar_bitmask is not None:   # structured outputs: forbidden ids -> -inf
             row_of = {s.req_id: row for row, s in enumerate(sampled_states)}
             apply_bitmask(logits, plan.grammar_bitmask, [row_of[r] for r in plan.structured_output_request_ids])
@@ -193,7 +232,8 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             token_ids=[s.token_ids for s in sampled_states],  # for penalties
             num_prompt_tokens=[s.num_prompt_tokens for s in sampled_states])
-        out = self.sampler(logits, sampling_metadata)
+        # Built on the CPU, as the inputs are; the sampler reads it where the logits are.
+        out = self.sampler(logits, sampling_metadata.to(logits.device))
         tokens = out.sampled_token_ids.tolist()
         result = ModelRunnerOutput(req_ids=[s.req_id for s in sampled_states], sampled_token_ids={},
                                    prompt_logprobs=prompt_logprobs)
@@ -225,21 +265,10 @@ class ModelRunner:
                 result[req_id] = lists
         return result
 
-    def _to_device(self, req_ids, states, input_ids, positions, metadata: list[AttentionMetadata],
-                   sampling, logits_indices):
-        """``_prepare_inputs``'s result, as it is on a CPU. Off the CPU: the step's inputs,
-        built on the CPU, copied to the model's device (as vLLM copies its CPU-built inputs
-        to the GPU), and a new seeded request's generator made there (sampling noise is
-        drawn where the logits are). The host lists (``query_start_loc_cpu``,
-        ``seq_lens_cpu``) stay on the CPU."""
-        if self.device.type == "cpu":
-            return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
+    def _make_generators_on_device(self, states: list[CachedRequestState]) -> None:
+        """A seeded request's generator is made where the logits are (sampling noise is
+        drawn there). ``_update_states`` made new ones on the CPU, from the seed, and none
+        has been drawn from yet: remake those elsewhere (nothing to do on a CPU)."""
         for state in states:
-            if state.generator is not None and state.generator.device.type != self.device.type:
-                # Not drawn from yet: _update_states made it this step, from the seed.
+            if state.generator is not None and state.generator.device != self.device:
                 state.generator = make_generator(state.sampling_params.seed, self.device)
-        for m in metadata:
-            m.query_start_loc, m.seq_lens = m.query_start_loc.to(self.device), m.seq_lens.to(self.device)
-            m.block_table, m.slot_mapping = m.block_table.to(self.device), m.slot_mapping.to(self.device)
-        return (req_ids, states, input_ids.to(self.device), positions.to(self.device), metadata,
-                sampling, logits_indices.to(self.device))

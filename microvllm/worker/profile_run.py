@@ -56,7 +56,7 @@ def profile_run(model, *, num_tokens: int, max_num_seqs: int, max_model_len: int
     """Run the batch drawn in the module docstring through ``model``; returns the logits
     (``[min(max_num_seqs, num_tokens), vocab]``) so a test can check it ran."""
     input_ids, positions, metadata, num_blocks = dummy_prefill_batch(
-        num_tokens, max_model_len, block_size, len(model.layout.groups), device)
+        num_tokens, max_model_len, block_size, model.layout.num_groups, device)
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
     hidden = model(input_ids, positions, kv_caches, metadata)

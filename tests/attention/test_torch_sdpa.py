@@ -10,8 +10,8 @@ import torch
 
 from microvllm.attention.torch_ref import paged_attention_torch
 from microvllm.attention.torch_sdpa import paged_attention_sdpa
-from tests.attention.cases import HEADS, WINDOWS, batch_lengths, seed_for
 from microvllm.bench.attention import random_paged_batch
+from tests.attention.cases import HEADS, WINDOWS, batch_lengths, seed_for
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])

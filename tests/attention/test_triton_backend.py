@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 
-from microvllm.attention import available_backends, get_attention_backend
-from microvllm.attention import triton_kernels
+from microvllm.attention import available_backends, get_attention_backend, triton_kernels
 from microvllm.attention.torch_ref import TorchReferenceBackend
 from microvllm.attention.triton_backend import TritonAttentionBackend
 from microvllm.bench import attention as bench

@@ -13,8 +13,7 @@ from microvllm.attention.torch_ref import paged_attention_torch, write_kv_torch
 from microvllm.attention.triton_kernels.decode import decode_attention
 from microvllm.attention.triton_kernels.unified import unified_attention
 from microvllm.attention.triton_kernels.write_kv import write_kv
-from tests.attention.cases import (WINDOWS, assert_matches, batch_lengths, make_batch,
-                                   poisoned_like, seed_for)
+from tests.attention.cases import WINDOWS, assert_matches, batch_lengths, make_batch, poisoned_like, seed_for
 
 # kind, heads (query:KV), head_dim, window, block_size, dtype
 UNIFIED_CASES = [

@@ -5,7 +5,6 @@ import pytest
 from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_invariants import InvariantError, check_kv_cache_invariants
 from microvllm.core.kv_cache_utils import hash_block_tokens
-
 from tests.core.core_helpers import make_request
 
 

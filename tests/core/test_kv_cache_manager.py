@@ -3,7 +3,6 @@
 import pytest
 
 from microvllm.core import FullAttentionSpec, InvariantError, KVCacheManager, PoolTooSmallError
-
 from tests.core.core_helpers import make_request
 
 B = 4

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_utils import (
     ROOT_BLOCK_HASH,
     BlockHash,
@@ -12,8 +13,6 @@ from microvllm.core.kv_cache_utils import (
     hash_block_tokens,
     hash_new_full_blocks,
 )
-from microvllm.core.block_pool import BlockPool
-
 
 # ------------------------------------------------------------------ hashing
 

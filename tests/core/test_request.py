@@ -4,7 +4,6 @@ import pytest
 
 from microvllm.core import Request, RequestStatus
 from microvllm.core.kv_cache_utils import hash_new_full_blocks
-
 from tests.core.core_helpers import FakeSamplingParams, make_request
 
 

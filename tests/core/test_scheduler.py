@@ -9,27 +9,15 @@ import dataclasses
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
+from microvllm.checks.scheduler import generated, run_workload, tokens_of, workloads
 from microvllm.core import (
-    FullAttentionSpec,
     PoolTooSmallError,
     RequestStatus,
-    SchedulerConfig,
-    SlidingWindowSpec,
 )
-
 from tests.core.core_helpers import feeder_token, make_request, make_scheduler, outputs_by_request, run_steps
 
 B = 4
-
-
-def tokens_of(records, rid):
-    return [n for r in records for n in [r.output.num_scheduled_tokens.get(rid)] if n is not None]
-
-
-def generated(records, rid):
-    return [t for o in outputs_by_request(records)[rid] for t in o.new_token_ids]
 
 
 def finish_reason(records, rid):
@@ -76,14 +64,14 @@ def test_max_num_seqs_is_respected():
 
 
 def test_mixed_prefill_and_decode_in_one_step():
-    scheduler, runner = make_scheduler(max_num_batched_tokens=10)
-    scheduler.add_request(make_request("short", [1, 2, 3], B, max_tokens=6))
+    scheduler, runner = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("short", [1, 2, 3, 4], B, max_tokens=5))
     run_steps(scheduler, runner, until_done=False, num_steps=1)
-    scheduler.add_request(make_request("long", list(range(30)), B, max_tokens=1))
+    scheduler.add_request(make_request("long", list(range(20)), B, max_tokens=1))
     records = run_steps(scheduler, runner)
     first = records[0].output.num_scheduled_tokens
-    assert dict(first) == {"short": 1, "long": 9}  # a decode and a prefill chunk share the budget
-    assert records[0].output.total_num_scheduled_tokens == 10
+    assert dict(first) == {"short": 1, "long": 7}  # a decode and a prefill chunk share the budget
+    assert records[0].output.total_num_scheduled_tokens == 8
 
 
 def test_plan_is_immutable_and_reports_finished_once():
@@ -260,59 +248,9 @@ def test_no_progress_raises_instead_of_spinning():
 # ------------------------------------------------------ random workloads
 
 
-@st.composite
-def workloads(draw):
-    block_size = draw(st.integers(1, 4))
-    kind = draw(st.sampled_from(["full", "sliding", "hybrid"]))
-    window = draw(st.integers(1, 10))
-    groups = {"full": [FullAttentionSpec(block_size)], "sliding": [SlidingWindowSpec(block_size, window)],
-              "hybrid": [FullAttentionSpec(block_size), SlidingWindowSpec(block_size, window)]}[kind]
-    max_model_len = draw(st.integers(8, 40))
-    requests = []
-    for i in range(draw(st.integers(1, 8))):
-        prefix = draw(st.sampled_from([[], [3] * 12, list(range(12))]))
-        prompt = (prefix[: draw(st.integers(0, 12))] + draw(st.lists(st.integers(0, 5), max_size=10)))[:max_model_len]
-        prompt = prompt or [1]
-        params = dict(max_tokens=draw(st.integers(1, 12)), min_tokens=draw(st.integers(0, 2)),
-                      eos_token_id=draw(st.sampled_from([None, 10, 11])), ignore_eos=draw(st.booleans()),
-                      stop_token_ids=draw(st.sampled_from([None, [12], [13, 14]])))
-        requests.append((f"r{i}", prompt, params))
-    longest = max(min(len(p) + kw["max_tokens"], max_model_len + 1) for _, p, kw in requests)
-    # Every request fits alone (counted as full attention), so it must finish.
-    num_blocks = len(groups) * -(-longest // block_size) + 1 + draw(st.integers(0, 3))
-    chunked = draw(st.booleans())
-    budget = draw(st.integers(1, 24)) if chunked else max_model_len + draw(st.integers(0, 8))
-    config = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=draw(st.integers(1, 4)),
-                  max_num_batched_tokens=budget, max_model_len=max_model_len, enable_chunked_prefill=chunked,
-                  enable_caching=draw(st.booleans()))
-    return groups, config, requests
-
-
-def expected_output(rid, prompt, params, max_model_len):
-    """An independent replay of the stop rules over the deterministic feeder."""
-    out = []
-    while True:
-        token = feeder_token(rid, len(prompt) + len(out))
-        out.append(token)
-        if len(prompt) + len(out) >= max_model_len or len(out) >= params["max_tokens"]:
-            return out, "length"
-        if len(out) < params["min_tokens"]:
-            continue
-        if (token == params["eos_token_id"] and not params["ignore_eos"]) or token in (params["stop_token_ids"] or ()):
-            return out, "stop"
-
-
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_finish_with_the_pool_fully_free(workload):
-    groups, config, requests = workload
-    scheduler, runner = make_scheduler(groups, **config)
-    for rid, prompt, kw in requests:
-        kw = dict(kw)
-        scheduler.add_request(make_request(rid, prompt, config["block_size"], eos_token_id=kw.pop("eos_token_id"), **kw))
-    records = run_steps(scheduler, runner, max_steps=2000)
-    kv = scheduler.kv_cache_manager
-    assert kv.block_pool.get_num_free_blocks() == kv.num_usable_blocks
-    for rid, prompt, kw in requests:
-        assert (generated(records, rid), finish_reason(records, rid)) == expected_output(
-            rid, prompt, kw, config["max_model_len"])
+    """The exercise checker's property test (microvllm.checks.scheduler), on the engine's
+    Scheduler: one workload generator and one oracle, for both."""
+    run_workload(workload)

@@ -3,7 +3,6 @@
 import pytest
 
 from microvllm.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
-
 from tests.core.core_helpers import ShadowKVCache, make_request
 
 B = 4

@@ -22,12 +22,19 @@ from microvllm.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, hash
 from microvllm.core.scheduler import Scheduler
 from microvllm.detokenizer import IncrementalDetokenizer, find_stop_string
 from microvllm.sample.sampler import Sampler
+from microvllm.structured_output.backend_regex import TokenTrie
 from microvllm.worker.block_table import BlockTable
 from microvllm.worker.model_runner import ModelRunner
-from microvllm.structured_output.backend_regex import TokenTrie
-from tests.course.mutants import (PoolFreesTwice, TrieAddsChildBeforeStepping, TrieAllowsEverything,
-                                  TrieFirstCharacterOnly, TrieFromTheStart, TrieLeavesOnly, TrieWalksThroughDead,
-                                  mutant)
+from tests.course.mutants import (
+    PoolFreesTwice,
+    TrieAddsChildBeforeStepping,
+    TrieAllowsEverything,
+    TrieFirstCharacterOnly,
+    TrieFromTheStart,
+    TrieLeavesOnly,
+    TrieWalksThroughDead,
+    mutant,
+)
 
 
 def caught(result, pattern: str) -> None:
@@ -157,7 +164,8 @@ def hash_todo(parent, token_ids, extra_keys=None):
 
 def test_hash_checker():
     assert checks.check_hash_block_tokens(hash_block_tokens, quiet=True).passed
-    caught(checks.check_hash_block_tokens(hash_without_parent, quiet=True), r"after another prefix must hash differently")
+    caught(checks.check_hash_block_tokens(hash_without_parent, quiet=True),
+           r"after another prefix must hash differently")
     caught(checks.check_hash_block_tokens(hash_with_repr, quiet=True), r"the engine's exact one")
     caught(checks.check_hash_block_tokens(hash_ignoring_extra_keys, quiet=True), r"extra keys .* must change")
     todo(checks.check_hash_block_tokens(hash_todo, quiet=True))
@@ -217,11 +225,13 @@ def test_scheduler_checker():
     assert checks.check_scheduler(Scheduler, quiet=True).passed
     ignores_budget = mutant(scheduler_module, [("token_budget -= num_new_tokens", "pass")]).Scheduler
     caught(checks.check_scheduler(ignores_budget, quiet=True), r"the token budget max_num_batched_tokens is")
-    preempts_oldest = mutant(scheduler_module, [("victim = self.running.pop()", "victim = self.running.pop(0)")]).Scheduler
+    preempts_oldest = mutant(scheduler_module,
+                             [("victim = self.running.pop()", "victim = self.running.pop(0)")]).Scheduler
     caught(checks.check_scheduler(preempts_oldest, quiet=True), r"the most recently admitted request is preempted")
     too_many_seats = mutant(scheduler_module, [(" and len(self.running) < self.max_num_seqs", "")]).Scheduler
     caught(checks.check_scheduler(too_many_seats, quiet=True), r"requests run but max_num_seqs is 2")
-    admits_after_preempting = mutant(scheduler_module, [("while not preempted and self.waiting", "while self.waiting")]).Scheduler
+    admits_after_preempting = mutant(scheduler_module,
+                                     [("while not preempted and self.waiting", "while self.waiting")]).Scheduler
     caught(checks.check_scheduler(admits_after_preempting, quiet=True),
            r"a step that preempted admits no waiting request, even one whose chunk would fit")
     forgets_cached = mutant(scheduler_module, [("request.num_cached_tokens = num_hit_tokens", "pass")]).Scheduler
@@ -282,25 +292,31 @@ def test_slot_mapping_checker():
 
 class PositionsFromZero(ModelRunner):
     def _prepare_inputs(self, plan):
-        req_ids, states, input_ids, positions, metadata, sampling, logits_indices = super()._prepare_inputs(plan)
-        qsl = metadata[0].query_start_loc.tolist()
-        for i in range(len(req_ids)):  # every chunk restarts at position 0
-            positions[qsl[i]:qsl[i + 1]] = torch.arange(qsl[i + 1] - qsl[i])
-        return req_ids, states, input_ids, positions, metadata, sampling, logits_indices
+        inputs = super()._prepare_inputs(plan)
+        qsl = inputs.attn_metadata[0].query_start_loc.tolist()
+        for i in range(len(inputs.req_ids)):  # every chunk restarts at position 0
+            inputs.positions[qsl[i]:qsl[i + 1]] = torch.arange(qsl[i + 1] - qsl[i])
+        return inputs
 
 
 class LogitsFromFirstRow(ModelRunner):
     def _prepare_inputs(self, plan):
-        req_ids, states, input_ids, positions, metadata, sampling, _ = super()._prepare_inputs(plan)
-        qsl = metadata[0].query_start_loc.tolist()
-        return (req_ids, states, input_ids, positions, metadata, sampling,
-                torch.tensor([qsl[i] for i in sampling], dtype=torch.long))
+        inputs = super()._prepare_inputs(plan)
+        qsl = inputs.attn_metadata[0].query_start_loc.tolist()
+        inputs.logits_indices = torch.tensor([qsl[i] for i in inputs.sampling_req_indices], dtype=torch.long)
+        return inputs
+
+
+class ReturnsATuple(ModelRunner):
+    def _prepare_inputs(self, plan):
+        return tuple(vars(super()._prepare_inputs(plan)).values())   # the contract before ModelInputs
 
 
 def test_prepare_inputs_checker():
     assert checks.check_prepare_inputs(ModelRunner, quiet=True).passed
     caught(checks.check_prepare_inputs(PositionsFromZero, quiet=True), r"positions.*num_computed_tokens \+ its offset")
     caught(checks.check_prepare_inputs(LogitsFromFirstRow, quiet=True), r"logits must come from the request's last row")
+    caught(checks.check_prepare_inputs(ReturnsATuple, quiet=True), r"must return a ModelInputs, got a tuple")
 
     class Todo(ModelRunner):
         def _prepare_inputs(self, plan):
@@ -312,7 +328,8 @@ def test_prepare_inputs_checker():
 
 def test_decode_kernel_checker():
     assert checks.check_decode_kernel(decode_module.decode_attention, quiet=True).passed
-    unscaled = mutant(decode_module, [("s = tl.sum(k * q[None, :], axis=1) * scale", "s = tl.sum(k * q[None, :], axis=1)")])
+    unscaled = mutant(decode_module,
+                      [("s = tl.sum(k * q[None, :], axis=1) * scale", "s = tl.sum(k * q[None, :], axis=1)")])
     caught(checks.check_decode_kernel(unscaled.decode_attention, quiet=True), r"WITHOUT the 1/sqrt\(head_dim\) scale")
     no_window = mutant(decode_module, [("first_key = tl.maximum(query_pos - SLIDING_WINDOW + 1, 0)", "first_key = 0")])
     caught(checks.check_decode_kernel(no_window.decode_attention, quiet=True),
@@ -325,8 +342,9 @@ def test_decode_kernel_checker():
                                             "visible = (key_pos > first_key) & (key_pos <= query_pos)")])
     caught(checks.check_decode_kernel(misses_first_key.decode_attention, quiet=True),
            r"leaves out the oldest visible key.*\(>=, not >\)")
-    query_strides = mutant(decode_module, [("tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims",
-                                            "tl.store(out_ptr + token * stride_query_token + head * stride_query_head + dims")])
+    query_strides = mutant(decode_module, [
+        ("tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims",
+         "tl.store(out_ptr + token * stride_query_token + head * stride_query_head + dims")])
     caught(checks.check_decode_kernel(query_strides.decode_attention, quiet=True),
            r"your kernel wrote outside `out`.*store with out's strides")
     unwritten = mutant(decode_module, [("    ### BEGIN SOLUTION\n    # A query that saw no key",
@@ -494,7 +512,8 @@ def test_a_long_shrunk_example_is_trimmed():
     result = run_checks("check_x", [Case("property: x", fails)], quiet=True)
     lines = result.failures[0].lines
     assert lines[0] == "the pool leaked a block" and len(lines) <= 9, lines
-    assert "    state.operation_0()" in lines and "    ... (24 more)" in lines and lines[-1] == "    state.operation_29()"
+    assert "    state.operation_0()" in lines and "    ... (24 more)" in lines
+    assert lines[-1] == "    state.operation_29()"
 
 
 def test_a_cascade_explains_its_first_failure_and_names_the_others():
@@ -512,6 +531,7 @@ def test_a_cascade_explains_its_first_failure_and_names_the_others():
 def hash_uint16(parent, token_ids, extra_keys=None):
     """Packs token ids as uint16: a wrong digest for small ids, struct.error for ids >= 65536."""
     import struct
+
     from microvllm.core.kv_cache_utils import ROOT_BLOCK_HASH, _encode_extra_keys
 
     parent = ROOT_BLOCK_HASH if parent is None else parent

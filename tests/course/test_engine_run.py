@@ -188,7 +188,8 @@ def test_a_sampler_that_ignores_a_filter_entirely_fails_its_many_draws(name, pro
     sampler = mutant(sampler_module, **{name: lambda logits, value: logits}).Sampler
     filter_name = name.removeprefix("apply_")
     caught({"sampler": sampler}, rf"prompt {prompt} \(temperature=1\.0, {filter_name}=[\d.]+, seed=\d+, n=16\): "
-                                 rf"✗ \d+ of 16 samples differ.*hint: .*({filter_name}|{filter_name.replace('_', '-')})")
+                                 rf"✗ \d+ of 16 samples differ.*hint: "
+                                 rf".*({filter_name}|{filter_name.replace('_', '-')})")
 
 
 # ----------------------------------------------------------------- model runner
@@ -356,4 +357,5 @@ def test_a_stop_string_search_one_character_too_early_is_caught_after_min_tokens
 
     detokenizer = mutant(detokenizer_module, [("len(output_text) - new_char_count - len(stop_string) + 1",
                                                "len(output_text) - new_char_count - len(stop_string)")])
-    caught({"detokenizer": detokenizer.IncrementalDetokenizer}, r"prompt 1 \(greedy, min_tokens=2", same_greedy_tokens=False)
+    caught({"detokenizer": detokenizer.IncrementalDetokenizer}, r"prompt 1 \(greedy, min_tokens=2",
+           same_greedy_tokens=False)

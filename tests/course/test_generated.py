@@ -4,6 +4,7 @@ package, and every ``### BEGIN SOLUTION`` block in the package belongs to an exe
 from __future__ import annotations
 
 import inspect
+import re
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,6 @@ import pytest
 
 from microvllm.course import build
 from microvllm.course.specs import EXERCISES
-
 from tests.course.conftest import ROOT
 
 
@@ -40,6 +40,28 @@ def test_solution_cells_are_the_package_source():
         nb = nbformat.read(ROOT / "solutions" / exercise.filename, as_version=4)
         cells = [c.source for c in nb.cells if c.metadata.get("microvllm") in ("solution", "given")]
         assert cells == [part.source().rstrip() for part in exercise.parts]
+
+
+def _squash(code: str) -> str:
+    """Code without comments and whitespace: a hint may wrap a call differently."""
+    return re.sub(r"\s+", "", re.sub(r"#.*", "", code))
+
+
+def test_hint_code_agrees_with_the_solution():
+    """A hint that shows code (a ```python block) shows the solution's own lines, so that
+    changing the package cannot leave a stale hint behind. A line with "..." is an outline
+    (it leaves out what the learner writes) and is not compared."""
+    stale = []
+    for exercise in EXERCISES:
+        solution = _squash("\n".join(part.source() for part in exercise.parts))
+        for hint in exercise.hints:
+            for block in re.findall(r"```python\n(.*?)```", hint, re.S):
+                for line in block.splitlines():
+                    code = _squash(line)
+                    if code and "..." not in code and code not in solution:
+                        stale.append(f"{exercise.slug}: {line.strip()}")
+    assert not stale, "hint lines that are not in the solution:\n" + "\n".join(stale)
+    assert any("```python" in hint for exercise in EXERCISES for hint in exercise.hints)  # it compares something
 
 
 def test_every_marked_block_in_the_package_is_an_exercise():

@@ -70,7 +70,7 @@ def hf_greedy_with_the_mask(folder: str, llm, prompt_ids: list[int], pattern: st
     from microvllm.structured_output import StructuredOutputManager
     from microvllm.structured_output.bitmask import unpack
 
-    manager = StructuredOutputManager(llm.engine.prompts.tokenizer, llm.engine.model_config.vocab_size, "course")
+    manager = StructuredOutputManager(llm.engine.prompts.tokenizer, llm.engine.prompts.vocab_size, "course")
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=pattern))
     manager.add("hf", manager.compile(params, 1)[0])
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -45,7 +45,7 @@ def greedy_by_backend(folder, prompts, backends, max_tokens: int = 12, **setting
                   max_num_batched_tokens=32, debug_invariants=True, **settings)
         ids = [o.outputs[0].token_ids for o in
                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-        outs[backend] = (llm.engine.config.attention_backend, ids)
+        outs[backend] = (llm.engine.config.device_config.attention_backend, ids)
     return outs
 
 

@@ -4,7 +4,6 @@ strings, abort, and the trace."""
 import math
 
 import pytest
-import torch
 
 from microvllm import LLM, SamplingParams
 from microvllm.trace import Trace
@@ -134,13 +133,13 @@ def test_trace_round_trips_through_json(llm):
     again = Trace.from_json(trace.to_json())
     assert again.to_json() == trace.to_json()
     step = trace.steps[0]
-    assert step.token_budget == llm.engine.config.max_num_batched_tokens
-    assert len(step.ref_cnts) == llm.engine.config.num_kv_blocks
+    assert step.token_budget == llm.engine.config.scheduler_config.max_num_batched_tokens
+    assert len(step.ref_cnts) == llm.engine.num_kv_blocks
     assert step.num_scheduled_tokens <= step.token_budget
 
 
 def test_kv_cache_sized_from_memory_budget(tiny_models):
     llm = LLM(str(tiny_models["llama"]), max_model_len=64, max_num_seqs=4)
-    assert llm.engine.config.num_kv_blocks == 4 * 4 + 1  # capped at what 4 x 64 tokens could use
+    assert llm.engine.num_kv_blocks == 4 * 4 + 1  # capped at what 4 x 64 tokens could use
     llm = LLM(str(tiny_models["llama"]), max_model_len=64, kv_cache_memory_bytes=2 * 8192)
-    assert llm.engine.config.num_kv_blocks == 2
+    assert llm.engine.num_kv_blocks == 2

@@ -13,8 +13,19 @@ from pathlib import Path
 import pytest
 
 import microvllm
-from microvllm import (LLM, CompletionOutput, EngineArgs, FlexibleArgumentParser, LLMEngine, RequestOutput,
-                       SamplingParams, TextPrompt, TokensPrompt, cleanup_dist_env_and_memory)
+import microvllm.config
+from microvllm import (
+    LLM,
+    CompletionOutput,
+    EngineArgs,
+    FlexibleArgumentParser,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+    TextPrompt,
+    TokensPrompt,
+    cleanup_dist_env_and_memory,
+)
 from microvllm.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,9 +55,13 @@ def test_engine_args_as_flags_round_trip(tiny_models):
     flagless = {"profiler_config", "components", "trace", "debug_invariants"}
     assert {k: v for k, v in dataclasses.asdict(defaults).items() if k not in flagless} == \
         {k: v for k, v in dataclasses.asdict(EngineArgs()).items() if k not in flagless}
-    # Every EngineConfig setting can be given as an EngineArgs field (one list of settings).
-    assert {f.name for f in dataclasses.fields(EngineConfig)} - {"enforce_eager"} <= \
-        {f.name for f in dataclasses.fields(EngineArgs)}
+    # Every resolved setting is an EngineArgs field (one list of options), and each lives
+    # in exactly one of the config's parts.
+    parts = [f.type for f in dataclasses.fields(EngineConfig) if f.name.endswith("_config")
+             and f.name != "profiler_config"]
+    names = [f.name for part in parts for f in dataclasses.fields(getattr(microvllm.config, part))]
+    assert len(names) == len(set(names)), names
+    assert set(names) - {"model_path", "hf_config"} <= {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 def test_llm_engine_step_loop_with_tokens_prompt_and_list_abort(tiny_models):
@@ -73,16 +88,30 @@ def test_harmless_vllm_arguments_log_what_they_do(tiny_models, caplog):
     assert any("dtype='auto'" in m and "float32" in m for m in messages)
     assert any("gpu_memory_utilization=0.5" in m for m in messages)
     assert any("disable_log_stats" in m for m in messages)
-    assert llm.engine.config.dtype == "float32"
-    assert llm.engine.config.kv_cache_memory_bytes == 8192 * 4  # half of the budget
-    assert llm.engine.config.num_kv_blocks == 4
+    assert llm.engine.config.model_config.dtype == "float32"
+    assert llm.engine.config.cache_config.kv_cache_memory_bytes == 8192 * 4  # half of the budget
+    assert llm.engine.num_kv_blocks == 4
 
 
 def test_enforce_eager_reaches_the_engine_config(tiny_models):
-    if "enforce_eager" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-        pytest.skip("EngineConfig.enforce_eager arrives with issue 19 (the decode fast path seam)")
     llm = LLM(str(tiny_models["llama"]), max_model_len=64, enforce_eager=True)
-    assert llm.engine.config.enforce_eager is True
+    assert llm.engine.config.device_config.enforce_eager is True and llm.engine.platform.enforce_eager
+
+
+def test_the_resolved_config_is_frozen_and_the_engine_writes_none_of_it(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), max_model_len=64, num_kv_blocks=None, trace=True)
+    config = llm.engine.config
+    before = repr(config)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cache_config.num_kv_blocks = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.scheduler_config = None
+    llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert repr(config) == before and config.cache_config.num_kv_blocks is None  # the user's None
+    assert llm.engine.num_kv_blocks > 2          # decided by the executor, kept by the engine
+    assert "auto" not in (config.model_config.dtype, config.device_config.device,
+                          config.device_config.attention_backend)
+    assert llm.trace is not None and not hasattr(config, "trace")   # the hooks sit beside it
 
 
 def test_methods(llm, tiny_models):

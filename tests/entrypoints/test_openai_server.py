@@ -221,7 +221,8 @@ def test_a_stream_closed_by_the_client_frees_its_request(server):
                     break
             assert "data: [DONE]" not in events
     wait_for(lambda: idle(server), 60, "running = 0 and kv usage = 0 after the client left")
-    assert server.metrics().get("request_success_total:abort", 0) == aborted_before + 1, httpx.get(server.url + "/metrics").text[-3000:]
+    assert server.metrics().get("request_success_total:abort", 0) == aborted_before + 1, \
+        httpx.get(server.url + "/metrics").text[-3000:]
 
 
 def test_a_client_that_hangs_up_on_a_plain_request_frees_it(server):

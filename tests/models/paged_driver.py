@@ -33,7 +33,7 @@ def greedy_paged(model, prompt_ids, max_new_tokens, block_size=16, num_blocks=64
     g = torch.Generator().manual_seed(seed)
     block_table = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # never block 0
     kv_caches = make_kv_caches(model, num_blocks, block_size, model.embed_tokens.weight.dtype)
-    groups = len(model.layout.groups)
+    groups = model.layout.num_groups
     ids = list(prompt_ids)
     md = metadata_for(block_table, block_size, 0, len(ids))
     hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, [md] * groups)

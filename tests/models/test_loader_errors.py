@@ -65,7 +65,8 @@ def test_wrong_shape(bad):
     def edit(t):
         t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
     path = rewrite(bad, edit)
-    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(3, 64\)") as e:
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' "
+                                         r"has shape \(3, 64\)") as e:
         load(bad)
     assert str(path) in str(e.value)
 

@@ -64,7 +64,7 @@ def test_tiny_hybrid_layers_match_hf(tmp_path):
                              use_sliding_window=True, sliding_window=6, max_window_layers=0,
                              layer_types=["full_attention", "sliding_attention"] * 2)
     ours, _ = load_model(folder, get_attention_backend("torch"))
-    assert len(ours.layout.groups) == 2
+    assert ours.layout.num_groups == 2
     check_parity(folder, prompt(512, 30, seed=6))
 
 

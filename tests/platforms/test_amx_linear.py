@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
 from microvllm.layers.linear import Linear
+from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
 from microvllm.platforms.cpu.gemm import AMX_MAX_ROWS
 from tests.attention.cases import seed_for
 from tests.platforms.conftest import on_cpu_platform
@@ -93,8 +93,8 @@ def test_bad_inputs_are_refused_with_what_to_change():
     with pytest.raises(ValueError, match="K % 32 == 0"):
         cpu_kernels.amx_pack_weight(torch.randn(32, 40).to(torch.bfloat16))
     x = torch.randn(64, 3).to(torch.bfloat16).T                                  # not contiguous: copied
-    torch.testing.assert_close(cpu_kernels.amx_linear(x, cpu_kernels.amx_pack_weight(torch.randn(32, 64).to(torch.bfloat16))).shape,
-                               torch.Size([3, 32]))
+    packed = cpu_kernels.amx_pack_weight(torch.randn(32, 64).to(torch.bfloat16))
+    torch.testing.assert_close(cpu_kernels.amx_linear(x, packed).shape, torch.Size([3, 32]))
 
 
 @needs_amx

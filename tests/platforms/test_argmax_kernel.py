@@ -5,8 +5,7 @@ on fresh random logits (seeded by the test's name)."""
 import pytest
 import torch
 
-from microvllm.platforms.cpu import kernels
-from microvllm.platforms.cpu import ops as cpu_kernels
+from microvllm.platforms.cpu import kernels, ops as cpu_kernels
 from tests.attention.cases import seed_for
 
 pytestmark = pytest.mark.skipif(kernels.status("argmax") is not None,

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
 from microvllm.layers.linear import Linear
+from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
 from microvllm.platforms.cpu.gemm import AVX512_MAX_ROWS
 from tests.attention.cases import seed_for
 from tests.platforms.conftest import on_cpu_platform
@@ -113,7 +113,8 @@ def test_packed_gemm_routes_float32_by_rows(n, k, kernel, monkeypatch):
         with torch.inference_mode():
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert calls == ([1, AVX512_MAX_ROWS] if kernel else [])
-    assert "avx512" in layer._forward_method.gemm._packs if kernel else "avx512" not in layer._forward_method.gemm._packs
+    packs = layer.forward_method.gemm._packs
+    assert "avx512" in packs if kernel else "avx512" not in packs
 
 
 def test_without_avx512_the_kernel_says_why_and_float32_uses_onednn():

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from microvllm.attention.selector import get_attention_backend
-from microvllm.platforms.cpu import attention as cpu_kernels
-from microvllm.platforms.cpu.attention_backend import CPUAttentionBackend
 from microvllm.attention.torch_ref import paged_attention_torch
 from microvllm.bench.attention import random_paged_batch
+from microvllm.platforms.cpu import attention as cpu_kernels
+from microvllm.platforms.cpu.attention_backend import CPUAttentionBackend
 from tests.attention.cases import HEADS, WINDOWS, assert_matches, batch_lengths, make_batch, seed_for
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernel_status() is not None,

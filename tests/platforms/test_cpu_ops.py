@@ -8,8 +8,7 @@ import torch
 from microvllm.layers.activation import SiluAndMul
 from microvllm.layers.layernorm import RMSNorm
 from microvllm.layers.rotary_embedding import ApplyRotaryEmb, rotate
-from microvllm.platforms.cpu import kernels
-from microvllm.platforms.cpu import ops as cpu_kernels
+from microvllm.platforms.cpu import kernels, ops as cpu_kernels
 from tests.attention.cases import seed_for
 from tests.platforms.conftest import on_cpu_platform
 

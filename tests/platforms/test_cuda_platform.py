@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from microvllm import LLM
-from microvllm.config import EngineConfig
+from microvllm.config import DEFAULT_KV_CACHE_BYTES
 from microvllm.engine.arg_utils import EngineArgs
 from microvllm.platforms import get_platform, resolve_device
 
@@ -47,14 +47,15 @@ def test_cli_refuses_cuda_without_a_gpu_in_one_line(tiny_models, capsys):
 
 def test_unknown_device_is_refused_at_the_door():
     with pytest.raises(ValueError, match="device='gpu'"):
-        EngineConfig(device="gpu")
+        EngineArgs(device="gpu").create_engine_config()
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="auto picks CUDA on this machine")
 def test_auto_on_a_cpu_is_the_cpu_platform_in_float32(tiny_models):
     llm = LLM(str(tiny_models["llama"]), max_model_len=64)  # device and dtype "auto"
     config = llm.engine.config
-    assert (config.device, config.dtype, llm.engine.platform.name) == ("cpu", "float32", "cpu")
+    assert (config.device_config.device, config.model_config.dtype, llm.engine.platform.name) == \
+        ("cpu", "float32", "cpu")
     assert llm.engine.executor.worker.kv_caches[0].device.type == "cpu"
 
 
@@ -93,11 +94,20 @@ def test_cuda_graphs_only_with_the_triton_backend_and_not_eager():
     assert CudaPlatform().decode_step_runner(_model_on("torch"), max_num_seqs=20) is None
 
 
-def test_engine_args_keep_auto_for_the_platform_and_pass_the_gpu_fraction(monkeypatch):
-    assert EngineArgs(dtype="auto").create_engine_config().dtype == "auto"
-    assert EngineArgs(dtype="half").create_engine_config().dtype == "float16"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
-    config = EngineArgs(gpu_memory_utilization=0.5).create_engine_config()
-    assert config.gpu_memory_utilization == 0.5
-    assert config.kv_cache_memory_bytes == EngineConfig().kv_cache_memory_bytes  # not a CPU budget
-    assert EngineArgs().create_engine_config().gpu_memory_utilization == 0.9  # vLLM's default
+def test_engine_args_settle_auto_with_the_platform_and_pass_the_gpu_fraction(tiny_models):
+    from microvllm.platforms.cpu.platform import CpuPlatform
+    from microvllm.platforms.cuda import CudaPlatform
+
+    model = str(tiny_models["llama"])
+    on_cpu = EngineArgs(model=model, dtype="auto").create_engine_config(CpuPlatform())
+    assert on_cpu.model_config.dtype == "float32" and on_cpu.device_config.device == "cpu"
+    assert EngineArgs(model=model, dtype="half").create_engine_config(CpuPlatform()).model_config.dtype == "float16"
+    # On a GPU (the platform's answers need none): a fraction of the GPU's memory, no byte budget.
+    cache = EngineArgs(model=model, gpu_memory_utilization=0.5).create_engine_config(CudaPlatform()).cache_config
+    assert (cache.gpu_memory_utilization, cache.kv_cache_memory_bytes) == (0.5, None)
+    config = EngineArgs(model=model).create_engine_config(CudaPlatform())
+    assert config.cache_config.gpu_memory_utilization == 0.9  # vLLM's default
+    assert (config.model_config.dtype, config.device_config.device) == ("bfloat16", "cuda")
+    # On a CPU: that fraction of the byte budget.
+    cache = EngineArgs(model=model, gpu_memory_utilization=0.5).create_engine_config(CpuPlatform()).cache_config
+    assert (cache.gpu_memory_utilization, cache.kv_cache_memory_bytes) == (None, DEFAULT_KV_CACHE_BYTES // 2)

@@ -11,8 +11,7 @@ import torch
 
 from microvllm import LLM, SamplingParams
 from microvllm.models.tiny import make_tiny_model
-from microvllm.platforms.cpu import decode_fast_path
-from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
+from microvllm.platforms.cpu import decode_fast_path, gemm_kernels as cpu_kernels
 from tests.engine.conftest import varied_prompts
 
 # The fast path runs each dtype's projections through that dtype's decode kernel.

@@ -41,7 +41,7 @@ def test_eager_gives_the_default_paths_tokens_on_tiny_models(tiny_models, family
     fast, eager = LLM(str(folder), **settings), LLM(str(folder), enforce_eager=True, **settings)
     assert set(ops_of(eager)) == {"native"}
     assert eager.engine.executor.worker.model_runner.decode_step_runner is None
-    assert eager.engine.config.attention_backend == "torch"
+    assert eager.engine.config.device_config.attention_backend == "torch"
     if kernels.status("norm_rope") is None:   # the default path really is another path
         assert "rms_norm_forward" in ops_of(fast) and "PackedLinear" in ops_of(fast)
     assert greedy(eager, prompts) == greedy(fast, prompts)

@@ -1,4 +1,4 @@
-"""The KV cache's size on a GPU (worker/gpu_memory.py), from made-up memory readings,
+"""The KV cache's size on a GPU (platforms/gpu_memory.py), from made-up memory readings,
 and the profiling pass (worker/profile_run.py) run on a CPU."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from microvllm.worker.gpu_memory import MemoryProfile, num_gpu_blocks
+from microvllm.platforms.gpu_memory import MemoryProfile, num_gpu_blocks
 from microvllm.worker.profile_run import dummy_prefill_batch, profile_run
 
 GiB, MiB = 2**30, 2**20
@@ -53,24 +53,37 @@ def test_profile_run_runs_the_largest_batch(tiny_models):
     assert logits.shape == (8, config.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_engine_sizes_the_cache_from_gpu_readings_with_the_cpu_log_line(tiny_models, monkeypatch, caplog):
-    """The engine's CUDA branch, with the platform said to be CUDA and the readings faked."""
+def test_the_cuda_platform_sizes_the_cache_from_its_readings(monkeypatch):
+    """``CudaPlatform.num_kv_blocks_that_fit`` with the GPU's readings faked: the profiling
+    pass runs once, and the peak is measured from what was allocated at start."""
+    from microvllm.config import CacheConfig
+    from microvllm.platforms.cuda import CudaPlatform
+    from microvllm.platforms.gpu_memory import MemoryAtStart
+
+    per_block = MiB
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 5 * per_block)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, 100 * per_block))
+    cache = CacheConfig(kv_cache_memory_bytes=None, gpu_memory_utilization=0.5)
+    at_start = MemoryAtStart(free_bytes=20 * per_block, allocated_bytes=2 * per_block)
+    fits = CudaPlatform().num_kv_blocks_that_fit(cache, per_block, lambda: calls.append("profile"), at_start)
+    assert fits == 10 - 3 and calls == ["profile"]   # half of 20 blocks' worth, less a 3-block peak
+
+
+def test_the_engine_caps_what_fits_at_what_could_be_used(tiny_models, monkeypatch, caplog):
     import logging
-    from types import SimpleNamespace
 
     from microvllm import LLM
 
     engine = LLM(str(tiny_models["llama"]), device="cpu", max_model_len=64, max_num_seqs=4).engine
-    per_block = engine.executor.kv_cache_bytes_per_block()
     allocated = []
-    monkeypatch.setattr(engine, "platform", SimpleNamespace(device=torch.device("cuda")))
     monkeypatch.setattr(engine.executor, "initialize_kv_cache", allocated.append)
-    engine.config.num_kv_blocks, engine.config.gpu_memory_utilization = None, 0.5
-    readings = MemoryProfile(total_bytes=0, free_bytes_at_start=2 * 10 * per_block, peak_bytes=3 * per_block)
-    monkeypatch.setattr(engine.executor, "profile_memory", lambda: readings)
+    monkeypatch.setattr(engine.executor, "determine_num_kv_blocks", lambda: 7)
     with caplog.at_level(logging.INFO, logger="microvllm"):
-        assert engine._initialize_kv_caches() == 7 == allocated[0]   # 10 blocks' worth - 3
+        assert engine._initialize_kv_caches() == 7 == allocated[0]
     assert any(m.startswith("KV cache: 7 blocks x 16 tokens") for m in caplog.messages)
     # Never more than max_num_seqs full-length requests could use: 4 x 4 blocks + the null block.
-    readings = MemoryProfile(total_bytes=0, free_bytes_at_start=10**6 * per_block, peak_bytes=0)
+    monkeypatch.setattr(engine.executor, "determine_num_kv_blocks", lambda: 10**6)
     assert engine._initialize_kv_caches() == 17

@@ -7,9 +7,15 @@ import torch.nn.functional as F
 
 from microvllm.layers.linear import Linear
 from microvllm.platforms.cpu import gemm_kernels
-from microvllm.platforms.cpu.gemm import (AMX_MAX_ROWS, AVX512_MAX_ROWS, FLOAT32_MAX_ROWS,
-                                          FLOAT32_MIN_ROWS, PackedGemm, PackedLinear,
-                                          packing_available)
+from microvllm.platforms.cpu.gemm import (
+    AMX_MAX_ROWS,
+    AVX512_MAX_ROWS,
+    FLOAT32_MAX_ROWS,
+    FLOAT32_MIN_ROWS,
+    PackedGemm,
+    PackedLinear,
+    packing_available,
+)
 from tests.platforms.conftest import on_cpu_platform
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}

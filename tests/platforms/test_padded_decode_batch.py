@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from microvllm.attention.metadata import AttentionMetadata
-from microvllm.platforms.padded_decode_batch import (PAD_SLOT_ID, PaddedDecodeBatch,
-                                                     cudagraph_capture_sizes, padded_batch_size)
+from microvllm.platforms.padded_decode_batch import (
+    PAD_SLOT_ID,
+    PaddedDecodeBatch,
+    cudagraph_capture_sizes,
+    padded_batch_size,
+)
 
 BLOCK = 16
 

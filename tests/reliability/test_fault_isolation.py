@@ -13,8 +13,7 @@ import pytest
 from microvllm import LLM, SamplingParams
 from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.executor.multiproc_executor import WorkerError
-from tests.reliability.test_lifecycle import (PROMPTS, TIGHT, Interrupt, alone, all_free, assert_clean_and_right,
-                                              run)
+from tests.reliability.test_lifecycle import PROMPTS, TIGHT, Interrupt, all_free, alone, assert_clean_and_right, run
 
 MARK = 0.777   # the faulty request's temperature: nothing else uses it
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

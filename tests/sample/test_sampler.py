@@ -4,8 +4,7 @@ reshapes the distribution, seeded rows independent of the batch, raw logprobs.""
 import pytest
 import torch
 
-from microvllm.sample import (Sampler, SamplingMetadata, apply_min_tokens_penalty,
-                              make_generator)
+from microvllm.sample import Sampler, SamplingMetadata, apply_min_tokens_penalty, make_generator
 from microvllm.sampling_params import SamplingParams
 
 # A distribution whose filters have unambiguous answers (no ties, no near-ties).

@@ -12,8 +12,7 @@ import re
 import jsonschema
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from microvllm import LLM, SamplingParams
 from microvllm.models.tiny import make_tiny_model
@@ -142,7 +141,7 @@ def test_greedy_equals_hugging_face_with_the_same_mask(folders, arch, backend):
     prompt_ids = [5, 17, 42, 9]
     ours = llm.generate([{"prompt_token_ids": prompt_ids}], regex_params(pattern, temperature=0), use_tqdm=False)
     ours = ours[0].outputs[0].token_ids
-    manager = StructuredOutputManager(llm.engine.prompts.tokenizer, llm.engine.model_config.vocab_size, backend)
+    manager = StructuredOutputManager(llm.engine.prompts.tokenizer, llm.engine.prompts.vocab_size, backend)
     grammar = manager.compile(regex_params(pattern), 1)[0]
     manager.add("hf", grammar)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -170,7 +169,8 @@ def test_chunked_prefill_and_preemption_keep_outputs_and_grammars(folders, backe
     roomy = LLM(folder, structured_outputs_backend=backend, **SETTINGS)
     tight = LLM(folder, structured_outputs_backend=backend, debug_invariants=True, **TIGHT)
     params = [regex_params(p, temperature=0) for p in patterns]
-    alone = [roomy.generate([prompt], [p], use_tqdm=False)[0].outputs[0].token_ids for prompt, p in zip(prompts, params)]
+    alone = [roomy.generate([prompt], [p], use_tqdm=False)[0].outputs[0].token_ids
+             for prompt, p in zip(prompts, params)]
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.kv_cache_manager.block_pool is not None
     assert [o.outputs[0].token_ids for o in outs] == alone

@@ -2,12 +2,10 @@
 its token masks against a brute-force walk of every vocabulary entry and against xgrammar."""
 
 import re
-import string
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from microvllm.structured_output.backend_regex import RegexBackend, choice_regex
 from microvllm.structured_output.backend_types import StructuredOutputOptions as Kind

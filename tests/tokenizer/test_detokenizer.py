@@ -5,28 +5,18 @@ import random
 
 import pytest
 
+from microvllm.checks import detokenizer as checks
+from microvllm.checks.detokenizer import CountingTokenizer
 from microvllm.detokenizer import IncrementalDetokenizer, find_stop_string
 from microvllm.sampling_params import SamplingParams
 
-MULTIBYTE_TEXTS = [
-    "Héllo wörld, café crème brûlée, naïve Zoë.",
-    "日本語のテキストです。中文也可以。한국어도 됩니다.",
-    "Emoji 🙂🚀👍🏽 family 👨‍👩‍👧 flag 🇫🇷 done",
-    "Mixed: Ωmega ≈ 3.14 — “quotes” → 漢字 🎉!",
-]
+# The exercise checker's texts (one copy), and one more.
+MULTIBYTE_TEXTS = [*checks.MULTIBYTE_TEXTS, "Mixed: Ωmega ≈ 3.14 — “quotes” → 漢字 🎉!"]
 
 
 def stream(tokenizer, token_ids, chunk_sizes=None, **kwargs):
-    """Feed token_ids to a fresh detokenizer; return (detokenizer, list of deltas)."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=[1, 2, 3], **kwargs)
-    deltas, i = [], 0
-    sizes = iter(chunk_sizes or [])
-    while i < len(token_ids) and not detok.finished:
-        n = next(sizes, 1)
-        chunk = token_ids[i:i + n]
-        i += n
-        deltas.append(detok.update(chunk, finished=i >= len(token_ids)))
-    return detok, deltas
+    """The engine's detokenizer through the checker's streaming loop (one copy)."""
+    return checks.stream_detokenizer(IncrementalDetokenizer, tokenizer, token_ids, chunk_sizes, **kwargs)
 
 
 @pytest.mark.parametrize("text", MULTIBYTE_TEXTS[1:])
@@ -90,15 +80,7 @@ def test_random_token_ids_add_up_to_the_full_decode(any_tokenizer, seed, skip_sp
 
 def test_work_per_step_is_bounded(any_tokenizer):
     """O(new tokens) per step: every decode call sees a short window, never the whole output."""
-    class Spy:
-        def __init__(self, inner):
-            self.inner, self.lengths = inner, []
-
-        def decode(self, ids, skip_special_tokens=True):
-            self.lengths.append(len(ids))
-            return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    spy = Spy(any_tokenizer)
+    spy = CountingTokenizer(any_tokenizer)
     ids = any_tokenizer.encode(" ".join(MULTIBYTE_TEXTS * 4), add_special_tokens=False)
     assert len(ids) > 200
     _, deltas = stream(spy, ids)

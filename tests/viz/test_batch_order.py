@@ -19,7 +19,7 @@ def test_rows_are_in_the_model_runners_batch_order(tmp_path, monkeypatch):
 
     def spy(self, plan):
         inputs = prepare(self, plan)
-        seen.append(list(inputs[0]))
+        seen.append(list(inputs.req_ids))
         return inputs
 
     monkeypatch.setattr(ModelRunner, "_prepare_inputs", spy)

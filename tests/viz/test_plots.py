@@ -6,8 +6,7 @@ from collections import defaultdict
 import pytest
 from matplotlib.colors import to_hex
 
-from microvllm.viz import (plot_batch, plot_block_pool, plot_block_tables, plot_step, plot_timeline,
-                           request_colors)
+from microvllm.viz import plot_batch, plot_block_pool, plot_block_tables, plot_step, plot_timeline, request_colors
 from microvllm.viz.batch import MIN_BAR_FRACTION, runner_order
 from microvllm.viz.block_pool import grid_columns
 from microvllm.viz.canvas import figure_to_png

@@ -6,8 +6,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 
-from microvllm import LLM, EngineArgs
-from microvllm import FlexibleArgumentParser
+from microvllm import LLM, EngineArgs, FlexibleArgumentParser
 
 
 def create_parser():

@@ -5,8 +5,7 @@
 #   set_defaults(model="meta-llama/Llama-3.2-1B-Instruct") -> set_defaults(model=None)
 # SPDX-License-Identifier: Apache-2.0
 
-from microvllm import LLM, EngineArgs
-from microvllm import FlexibleArgumentParser
+from microvllm import LLM, EngineArgs, FlexibleArgumentParser
 
 
 def main(args: dict):

@@ -12,8 +12,7 @@ for processing prompts with various sampling parameters.
 
 import argparse
 
-from microvllm import EngineArgs, LLMEngine, RequestOutput, SamplingParams
-from microvllm import FlexibleArgumentParser
+from microvllm import EngineArgs, FlexibleArgumentParser, LLMEngine, RequestOutput, SamplingParams
 
 
 def create_test_prompts() -> list[tuple[str, SamplingParams]]:

@@ -5,8 +5,7 @@
 #   model="facebook/opt-125m" (twice)                         -> model=None
 # SPDX-License-Identifier: Apache-2.0
 
-from microvllm import LLM, SamplingParams
-from microvllm import cleanup_dist_env_and_memory
+from microvllm import LLM, SamplingParams, cleanup_dist_env_and_memory
 
 # NOTE: This is just a running example. For benchmarking purpose,
 # please see benchmarks/benchmark_prefix_caching.py

@@ -72,7 +72,7 @@ and the tail.""",
         """```python
 # free_blocks: check every block first, then change (a refused call changes nothing)
 blocks = [block for block in ordered_blocks if not block.is_null]
-drops = {}   # a block listed twice drops two references: count them
+drops: dict[int, int] = {}   # a block listed twice drops two references: count them
 for block in blocks:
     drops[block.block_id] = drops.get(block.block_id, 0) + 1
     if block.ref_cnt < drops[block.block_id]: raise ValueError(...)

@@ -16,6 +16,7 @@ import torch
 import microvllm.worker.model_runner
 from microvllm.attention.metadata import AttentionMetadata
 from microvllm.checks import check_prepare_inputs, check_slot_mapping, run_engine_with
+from microvllm.worker.model_runner import ModelInputs
 """,
     parts=(Part(BlockTable, intro="""The runner keeps one row per running request and appends the
 new block ids the scheduler sends each step; `gather` picks the batch's rows."""),
@@ -26,8 +27,9 @@ cache group (it builds *your* `BlockTable`).""")),
     todos={
         "BlockTable.slot_mapping": "for every token: block_table[its request, position // B] * B + "
                                    "position % B, as an int64 tensor, without a Python loop",
-        "ModelRunner._prepare_inputs": "flatten the plan: req_ids, states, input_ids, positions, one "
-                                       "AttentionMetadata per cache group, sampling rows, logits_indices",
+        "ModelRunner._prepare_inputs": "flatten the plan into a ModelInputs: req_ids, states, input_ids, "
+                                       "positions, one AttentionMetadata per cache group, the sampling "
+                                       "requests' indices, logits_indices",
     },
     contract="""
 `slot_mapping(batch_table, request_index, positions)` returns, for every token `t` of the step,
@@ -36,14 +38,16 @@ as an int64 tensor of shape `[num_tokens]` (vectorized: one indexing op, no Pyth
 
 `_prepare_inputs(plan)` lays out every scheduled request's tokens as one contiguous run of rows
 (in any request order; the engine puts decodes first and says so with `num_decodes`) and returns
-`(req_ids, states, input_ids, positions, metadata, sampling, logits_indices)`:
+`ModelInputs(req_ids, states, input_ids, positions, attn_metadata, sampling_req_indices,
+logits_indices)` (a small dataclass: `req_ids` and `states` in row order):
 - `input_ids[rows of r] = token_ids[c : c + n]` and `positions[rows of r] = c .. c + n - 1`, where
   `c` is the request's `num_computed_tokens` and `n = plan.num_scheduled_tokens[r]`;
 - per cache group, an `AttentionMetadata` with `num_actual_tokens`, `max_query_len`,
   `max_seq_len`, `query_start_loc` (`[0, end of request 0, ...]`, int32), `seq_lens` (`c + n`,
   int32), `block_table` (the batch's rows, `table.gather(req_ids, max_blocks)`), `slot_mapping`,
   and the host copies `query_start_loc_cpu` / `seq_lens_cpu`;
-- `sampling`: the batch indices of the requests whose chunk reaches their last known token
+- `attn_metadata`: that list, one per cache group;
+- `sampling_req_indices`: the batch indices of the requests whose chunk reaches their last known token
   (`c + n == len(token_ids)`); a partial prefill chunk samples nothing;
 - `logits_indices`: for each of those, its last row, `query_start_loc[i + 1] - 1`.
 """,
@@ -61,7 +65,7 @@ for table in self.block_tables:
         num_actual_tokens=num_tokens, max_query_len=max(num_scheduled), max_seq_len=max(seq_lens_cpu),
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=batch_table,
         slot_mapping=table.slot_mapping(batch_table, request_index, positions),
-        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu))
+        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu, num_decodes=num_decodes))
 ```""",
     ),
     checks=("check_slot_mapping(BlockTable)", "check_prepare_inputs(ModelRunner)"),

@@ -75,7 +75,8 @@ if blocks is None:
 while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
     request = self.waiting[0]
     hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-    if not self.enable_chunked_prefill and request.num_tokens - num_hit_tokens > token_budget:
+    num_new_tokens = request.num_tokens - num_hit_tokens
+    if not self.enable_chunked_prefill and num_new_tokens > token_budget:
         break
     num_new_tokens = self._cap_new_tokens(request, num_hit_tokens, token_budget)
 ```""",

@@ -89,7 +89,8 @@ class _SamplingFields(BaseModel):
         """Raise ``ValueError`` for a field of a feature microvllm lacks (naming it);
         return the names of fields neither API knows (the caller logs them)."""
         extra = dict(self.model_extra or {})
-        for name, value in {**extra, **{f: getattr(self, f, None) for f in REFUSED if f in type(self).model_fields}}.items():
+        declared = {f: getattr(self, f, None) for f in REFUSED if f in type(self).model_fields}
+        for name, value in {**extra, **declared}.items():
             if name in REFUSED and not _is_off(value):
                 raise ValueError(f"{name} {REFUSED[name]}")
         return sorted(name for name in extra if name not in REFUSED)

@@ -83,7 +83,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template   # --chat-template: replaces the model's
-        self.max_model_len = engine.engine.config.max_model_len
+        self.max_model_len = engine.engine.config.scheduler_config.max_model_len
 
     def _decode_one(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer

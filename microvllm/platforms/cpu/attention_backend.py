@@ -32,6 +32,7 @@ import torch
 
 from microvllm.attention.backend import AttentionBackend
 from microvllm.attention.metadata import AttentionMetadata
+from microvllm.attention.selector import register_backend
 from microvllm.attention.torch_sdpa import decode_requests, prefill_chunks
 from microvllm.platforms.cpu import attention as cpu_kernels
 
@@ -39,6 +40,7 @@ from microvllm.platforms.cpu import attention as cpu_kernels
 LOW_PRECISION_PREFILL_MAX = 384
 
 
+@register_backend("cpu")   # "cpu" is known once the CPU platform is loaded
 class CPUAttentionBackend(AttentionBackend):
     """Decodes and prefill chunks in compiled C++ kernels (built on first use, cached)."""
 

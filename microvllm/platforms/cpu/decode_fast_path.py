@@ -55,8 +55,7 @@ import torch
 from microvllm.attention.metadata import AttentionMetadata
 from microvllm.distributed import get_tensor_model_parallel_world_size
 from microvllm.layers.linear import Linear
-from microvllm.platforms.cpu import attention as attention_kernels
-from microvllm.platforms.cpu import kernels
+from microvllm.platforms.cpu import attention as attention_kernels, kernels
 from microvllm.platforms.cpu.attention_backend import CPUAttentionBackend
 from microvllm.platforms.cpu.gemm import AMX_MAX_ROWS, AVX512_MAX_ROWS, PackedGemm, PackedLinear, tensor_version
 from microvllm.platforms.cpu.kernels import DTYPE_CODES
@@ -133,7 +132,7 @@ def unsupported_reason(model) -> str | None:
 def packed_gemm(linear: Linear) -> PackedGemm | None:
     """The packed GEMM the platform bound to this ``Linear`` (its packs are the fast path's
     weights: one copy, shared), or None if it runs ``forward_native``."""
-    version = linear._forward_method
+    version = linear.forward_method
     return version.gemm if isinstance(version, PackedLinear) else None
 
 

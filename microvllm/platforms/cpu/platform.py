@@ -33,22 +33,15 @@ _OPS = {
 
 class CpuPlatform(Platform):
     name = "cpu"
+    compiled_attention_backends = ("cpu",)
 
     def default_attention_backend(self) -> str:
-        if self.enforce_eager:
-            return "torch"
         reason = kernels.status("paged_attention")
         if reason is None:
             return "cpu"
         logger.warning("attention_backend='auto': using 'torch', because the CPU kernel is not "
                        "usable here: %s", reason)
         return "torch"
-
-    def check_attention_backend(self, name: str) -> None:
-        if name == "cpu" and self.enforce_eager:
-            raise ValueError("attention_backend='cpu' runs compiled C++ kernels, which "
-                             "enforce_eager=True turns off: choose attention_backend='torch' "
-                             "(or 'auto'), or drop enforce_eager")
 
     def op_version(self, op: CustomOp) -> Callable | None:
         if isinstance(op, Linear):
@@ -60,9 +53,7 @@ class CpuPlatform(Platform):
                 return functools.partial(getattr(ops, version), op)
         return None
 
-    def decode_step_runner(self, model: nn.Module, **limits) -> Callable | None:
-        if self.enforce_eager:
-            return None
+    def build_decode_step_runner(self, model: nn.Module, **limits) -> Callable | None:
         reason = decode_fast_path.unsupported_reason(model)
         if reason is not None:
             logger.debug("decode fast path off: %s", reason)

@@ -1,6 +1,7 @@
 """How many KV cache blocks fit on the GPU (vLLM: ``Worker.determine_available_memory``
 and ``EngineCore._initialize_kv_caches``), with the GPU's memory readings as arguments,
-so that the arithmetic is tested on a CPU with made-up readings::
+so that the arithmetic is tested on a CPU with made-up readings (``CudaPlatform`` takes
+the readings)::
 
     GPU memory (total)
     |<------------------------------- total_bytes -------------------------------->|
@@ -22,6 +23,14 @@ one's own (a Colab runtime) the two agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemoryAtStart:
+    """Read before the worker loads anything (``CudaPlatform.memory_at_start``)."""
+
+    free_bytes: int       # torch.cuda.mem_get_info()[0]
+    allocated_bytes: int  # torch.cuda.memory_allocated(): another engine's, in this process
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,33 @@
+"""``CacheConfig``: the paged KV cache's shape and budget (vLLM: ``vllm/config/cache.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on a CPU when num_kv_blocks is not given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the KV cache is cut into blocks and how big it may grow.
+
+    block_size              tokens per block (a power of two)
+    enable_prefix_caching   reuse the blocks of shared prompt prefixes
+    num_kv_blocks           the user's fixed number of blocks, or None: as many as fit
+                            (vLLM: ``num_gpu_blocks_override``)
+    kv_cache_memory_bytes   on a CPU: the bytes the blocks may take (None on CUDA)
+    gpu_memory_utilization  on CUDA: the fraction of the GPU's free memory the engine may
+                            use; the cache gets what weights and activations leave (None
+                            on a CPU)
+
+    Exactly one of the two budgets is set: the platform says which one it sizes the
+    cache from (``Platform.kv_cache_budget``). The number of blocks is then decided by
+    the executor's profiling (``Engine._initialize_kv_caches``), not stored here.
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = DEFAULT_KV_CACHE_BYTES
+    gpu_memory_utilization: float | None = None

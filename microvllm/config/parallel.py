@@ -1,0 +1,13 @@
+"""``ParallelConfig``: how many ranks share the model (vLLM: ``vllm/config/parallel.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """``tensor_parallel_size``: split the model over this many worker processes (ranks)
+    with torch.distributed; 1 runs it in the engine's process (``executor/``)."""
+
+    tensor_parallel_size: int = 1
