@@ -46,8 +46,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         check_engine_options(kwargs)
-        self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = Engine.from_engine_args(self.engine_args)
+        self.engine_args = args = EngineArgs(model=model, **kwargs)
+        config = args.create_engine_config()   # every check, before anything is loaded
+        # The course's hooks go beside the config, as Engine.from_engine_args passes them.
+        self.engine = Engine(config, components=args.components, trace=args.trace,
+                             debug_invariants=args.debug_invariants)
         self._ids = itertools.count()
 
     @property
