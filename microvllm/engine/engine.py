@@ -104,7 +104,8 @@ class Engine:
         self.scheduler = component(components, "scheduler", Scheduler)(config.scheduler_config,
                                                                          self.kv_cache_manager)
         self.structured_output_manager = StructuredOutputManager(
-            self.prompts.tokenizer, model_config.hf_config.vocab_size, config.structured_outputs_config.structured_outputs_backend,
+            self.prompts.tokenizer, model_config.hf_config.vocab_size,
+            config.structured_outputs_config.structured_outputs_backend,
             token_trie=component(components, "token_trie", TokenTrie))   # the course backend's vocabulary trie
         self.output_processor = OutputProcessor(
             self.prompts.tokenizer, component(components, "detokenizer", IncrementalDetokenizer))
