@@ -48,7 +48,9 @@ def _snapshot(m) -> dict:
     return dict(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
                 max_seq_len=m.max_seq_len, query_start_loc=m.query_start_loc.tolist(),
                 seq_lens=m.seq_lens.tolist(), block_table=m.block_table.tolist(),
-                slot_mapping=m.slot_mapping.tolist(), num_decodes=getattr(m, "num_decodes", None))
+                slot_mapping=m.slot_mapping.tolist(), num_decodes=getattr(m, "num_decodes", None),
+                dtypes={name: str(getattr(m, name).dtype).removeprefix("torch.")
+                        for name in ("query_start_loc", "seq_lens")})
 
 
 class _Plan:
@@ -221,6 +223,9 @@ def _compare(plan: _Plan, scheduled: dict[str, int], call: dict, sampled: dict, 
                "query_start_loc must be [0, end of request 0, ..., num_tokens]", input=where, got=qsl,
                hint="the cumulative sum of the scheduled tokens, with a 0 in front")
         expect_equal(md["num_actual_tokens"], total, "num_actual_tokens", input=where)
+        for name, dtype in md["dtypes"].items():   # the attention kernels index with int32
+            expect_equal(dtype, "int32", f"{name} must be int32 (the contract's dtype)", input=where,
+                         hint=f"build {name} with dtype=torch.int32: the attention kernels read it as int32")
         order = []
         for i in range(len(scheduled)):
             rows = input_ids[qsl[i]:qsl[i + 1]]

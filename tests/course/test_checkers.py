@@ -312,11 +312,22 @@ class ReturnsATuple(ModelRunner):
         return tuple(vars(super()._prepare_inputs(plan)).values())   # the contract before ModelInputs
 
 
+class Int64Offsets(ModelRunner):
+    """The contract says int32; int64 offsets worked in every value check before."""
+
+    def _prepare_inputs(self, plan):
+        inputs = super()._prepare_inputs(plan)
+        for m in inputs.attn_metadata:
+            m.query_start_loc, m.seq_lens = m.query_start_loc.long(), m.seq_lens.long()
+        return inputs
+
+
 def test_prepare_inputs_checker():
     assert checks.check_prepare_inputs(ModelRunner, quiet=True).passed
     caught(checks.check_prepare_inputs(PositionsFromZero, quiet=True), r"positions.*num_computed_tokens \+ its offset")
     caught(checks.check_prepare_inputs(LogitsFromFirstRow, quiet=True), r"logits must come from the request's last row")
     caught(checks.check_prepare_inputs(ReturnsATuple, quiet=True), r"must return a ModelInputs, got a tuple")
+    caught(checks.check_prepare_inputs(Int64Offsets, quiet=True), r"query_start_loc must be int32")
 
     class Todo(ModelRunner):
         def _prepare_inputs(self, plan):
