@@ -163,6 +163,10 @@ class MultiprocExecutor(Executor):
                 if reply is not None:
                     self._fail(f"worker rank {rank} (pid {pid}) raised in {method}():\n{reply.value}")
                 if not self.procs[rank].is_alive():
+                    # It may have died between the check above and this one: reap it, so that a
+                    # kill is reported as a death with its exit code, whatever the timing.
+                    self.procs[rank].join(1)
+                    self._fail_if_a_worker_died(method, raised=None)
                     self._fail(f"worker rank {rank} (pid {pid}) exited during {method}() without answering")
         return replies[0].value
 
