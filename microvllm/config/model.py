@@ -36,6 +36,8 @@ class ModelConfig:
                        or a folder
     max_logprobs       the most logprobs / prompt_logprobs one request may ask for (-1:
                        up to the vocabulary)
+    quantization       how the weights are stored: None (the checkpoint's floats), "gguf"
+                       (a GGUF file's own formats) or "int8" (layers/quantization/)
     """
 
     model: str | None
@@ -45,6 +47,7 @@ class ModelConfig:
     seed: int = 0
     generation_config: str = "auto"
     max_logprobs: int = 20
+    quantization: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -45,6 +45,8 @@ from microvllm.config import (
 from microvllm.config.components import check_components
 from microvllm.config.structured_outputs import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
 from microvllm.layers.linear import divide, shard_heads
+from microvllm.layers.quantization import check_quantization
+from microvllm.models.gguf_loader import gguf_weights_file
 from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
 from microvllm.platforms import Platform, get_platform
@@ -59,7 +61,7 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 VLLM_ONLY_ENGINE_OPTIONS = (
     "pipeline_parallel_size", "data_parallel_size", "data_parallel_rank", "data_parallel_size_local",
     "data_parallel_address", "data_parallel_rpc_port", "data_parallel_backend", "decode_context_parallel_size",
-    "distributed_executor_backend", "quantization", "kv_cache_dtype", "swap_space", "cpu_offload_gb",
+    "distributed_executor_backend", "kv_cache_dtype", "swap_space", "cpu_offload_gb",
     "load_format", "config_format", "download_dir", "revision", "tokenizer_revision", "code_revision",
     "tokenizer_mode", "hf_config_path", "hf_overrides", "hf_token", "skip_tokenizer_init",
     "enable_prompt_embeds", "speculative_config", "enable_lora", "enable_lora_bias", "max_loras",
@@ -103,6 +105,10 @@ class EngineArgs:
         "must be None or the model itself: the model folder's tokenizer is used"))
     trust_remote_code: bool = field(default=False, metadata=_cli(
         "refused when true: microvllm runs only its own model code"))
+    quantization: str | None = field(default=None, metadata=_cli(
+        "how the weights are stored: None = as the checkpoint has them; int8 = int8 weights with "
+        "one scale per output row, quantized as a float checkpoint loads; gguf = a .gguf file's own "
+        "Q4_1 / Q8_0 / F16 blocks (chosen by itself for a .gguf model)"))
     dtype: str = field(default="auto", metadata=_cli(
         "float32, bfloat16 or float16; auto = float32 on a CPU, bfloat16 on CUDA"))
     device: str = field(default="auto", metadata=_cli(
@@ -193,6 +199,9 @@ class EngineArgs:
         self._validate()
         self._check_process_options()
         model_path = resolve_model_path(self.model)
+        quantization = check_quantization(self.quantization, is_gguf=gguf_weights_file(model_path) is not None)
+        if quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization={quantization!r} runs in one process: use tensor_parallel_size=1")
         hf_config = hf_config if hf_config is not None else load_config(model_path)
         platform = platform or get_platform(self.device, enforce_eager=self.enforce_eager)
         if platform.enforce_eager != self.enforce_eager:
@@ -207,7 +216,7 @@ class EngineArgs:
         return EngineConfig(
             model_config=ModelConfig(model=self.model, model_path=model_path, hf_config=hf_config,
                                      dtype=dtype, seed=self.seed, generation_config=self.generation_config,
-                                     max_logprobs=self.max_logprobs),
+                                     max_logprobs=self.max_logprobs, quantization=quantization),
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      num_kv_blocks=self.num_kv_blocks,
                                      kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -3,7 +3,9 @@ checkpoint names)::
 
     x [T, in_features] ──> y [T, out_features]      W: weight [out_features, in_features]
 
-A ``CustomOp``: ``forward_native`` is ``F.linear``. A platform may multiply with its own
+A ``CustomOp``: ``forward_native`` is ``F.linear``; with quantized weights
+(``layers/quantization/``) it is the format's ``quant_method.apply``, which dequantizes
+and calls ``F.linear``. A platform may multiply with its own
 GEMM instead, from a copy of ``W`` it prepared once after loading: on a CPU the
 weight is packed into the layout its kernels read (vLLM's
 ``dispatch_cpu_unquantized_gemm`` does the same; see ``platforms/cpu/gemm.py`` and
@@ -36,12 +38,16 @@ class Linear(CustomOp):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.register_parameter("bias", nn.Parameter(torch.zeros(out_features)) if bias else None)
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)   # as nn.Linear; a checkpoint overwrites it
+        self.quant_method = None   # a LinearMethodBase when the weight is quantized
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        text = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return text + (f", quant_method={self.quant_method}" if self.quant_method is not None else "")
 
 
 # ------------------------------------------------------------------ tensor parallelism

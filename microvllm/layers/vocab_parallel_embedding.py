@@ -70,11 +70,14 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = nn.Parameter(torch.empty(self.shard.num_embeddings_per_partition, embedding_dim))
         self.weight.weight_loader = self.weight_loader
+        self.quant_method = None   # an EmbeddingMethodBase when the weight is quantized
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         self.shard.load(param, loaded_weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:   # layers/quantization/: dequantize the rows looked up
+            return self.quant_method.embedding(self, input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         # Tokens outside this rank's slice look up row 0, then are zeroed.

@@ -2,6 +2,8 @@
 
     None                                  -> the embedded SmolLM2-135M-Instruct (default_model.py)
     "path/to/folder"                      -> that folder (config.json + *.safetensors)
+    "path/to/file.gguf"                   -> a cache folder standing for the file: its config
+                                             and tokenizer, and a link to it (gguf_loader.py)
     "HuggingFaceTB/SmolLM2-135M-Instruct" -> $HF_HOME/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/
                                              snapshots/<commit>/   (local files only)
 
@@ -28,11 +30,14 @@ def resolve_model_path(model) -> Path:
     path = Path(str(model)).expanduser()
     if path.is_dir():
         return path
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from microvllm.models.gguf_loader import prepare_gguf_folder
+        return prepare_gguf_folder(path)
     if HUB_ID.match(str(model)) and not path.exists():
         return hub_cache_path(str(model))
     raise FileNotFoundError(f"model={str(model)!r} is not a folder: pass model=None for the embedded "
                             "default model, the path of a Hugging Face model folder (config.json + "
-                            "*.safetensors), or a hub id such as 'org/name' that is in the local "
+                            "*.safetensors) or of a .gguf file, or a hub id such as 'org/name' that is in the local "
                             "Hugging Face cache")
 
 

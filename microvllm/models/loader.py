@@ -27,7 +27,11 @@ import torch
 from safetensors import safe_open
 
 from microvllm.config import resolve_dtype
+from microvllm.distributed import get_tensor_model_parallel_world_size
 from microvllm.layers.linear import check_shape
+from microvllm.layers.quantization import check_quantization, quantize_layers
+from microvllm.layers.quantization.int8 import Int8Config
+from microvllm.models.gguf_loader import gguf_quant_config, gguf_weights_file, load_gguf_weights
 from microvllm.models.registry import resolve_model_class
 
 
@@ -49,16 +53,21 @@ def load_config(model_path: str | Path):
 
 
 def load_model(model_path: str | Path, backend, dtype="float32", max_position: int | None = None,
-               device: str | torch.device = "cpu", hf_config=None):
-    """Build the model class named by config.json and fill it from the folder's safetensors.
+               device: str | torch.device = "cpu", hf_config=None, quantization: str | None = None):
+    """Build the model class named by config.json and fill it from the folder's safetensors
+    (or, for a folder standing for a GGUF file, from that file: ``gguf_loader.py``).
     The platform then prepares it (``Platform.process_weights_after_loading``). ``hf_config``:
     config.json already read (a tensor-parallel worker gets the engine's, and need not
-    import transformers' config machinery again)."""
+    import transformers' config machinery again). ``quantization``: "int8" quantizes the
+    float checkpoint as it loads (``layers/quantization/``); a GGUF file is always "gguf"."""
     config = hf_config if hf_config is not None else load_config(model_path)
     model_cls = resolve_model_class(config, where=str(Path(model_path) / "config.json"))
     torch_dtype = resolve_dtype(dtype)
+    quant_config = _quant_config(Path(model_path), quantization, model_cls, config, torch_dtype)
     with torch.device("meta"):
         model = model_cls(config, backend, max_position=max_position)
+    if quant_config is not None:   # each Linear / embedding gets its format's method
+        quantize_layers(model, quant_config)
     # Built on the meta device (no time spent on random init), then materialised.
     # to_empty makes new Parameters, without the weight_loader attributes the layers set.
     weight_loaders = {name: p.weight_loader for name, p in model.named_parameters()
@@ -69,9 +78,28 @@ def load_model(model_path: str | Path, backend, dtype="float32", max_position: i
         if name in weight_loaders:
             param.weight_loader = weight_loaders[name]
     model.rotary.build_table(device)  # buffers are not in the checkpoint
-    load_weights(model, Path(model_path))
-    model = model.to(torch_dtype).eval()
+    gguf_file = gguf_weights_file(Path(model_path))
+    if gguf_file is not None:
+        load_gguf_weights(model, gguf_file, quant_config)
+    else:
+        load_weights(model, Path(model_path))
+    model = model.to(torch_dtype).eval()   # quantized weights (integer tensors) stay as they are
+    if quant_config is not None:
+        quant_config.process_weights_after_loading(model)
     return model, config
+
+
+def _quant_config(path: Path, quantization: str | None, model_cls, hf_config, dtype: torch.dtype):
+    """The ``QuantizationConfig`` the model loads with, or None for plain float weights."""
+    gguf_file = gguf_weights_file(path)
+    quantization = check_quantization(quantization, is_gguf=gguf_file is not None)
+    if quantization is not None and get_tensor_model_parallel_world_size() > 1:
+        raise ValueError(f"quantization={quantization!r} runs in one process: use tensor_parallel_size=1")
+    if quantization == "gguf":
+        return gguf_quant_config(gguf_file, model_cls, hf_config, dtype)
+    if quantization == "int8":
+        return Int8Config(dtype)
+    return None
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
@@ -107,12 +135,17 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
                     raise ValueError(f"{file}: tensor {hf_name!r} could not be read ({e}); "
                                      "the file is truncated or corrupt") from e
                 _copy_tensor(model, params, filled, hf_name, tensor, file)
+    check_filled(model, params, filled, folder)
+
+
+def check_filled(model, params, filled, where) -> None:
+    """Raise, naming them, if some parameters were not filled (or a fused one only in part)."""
     expected = _expected_shards(model, params)
     missing = [name for name in params if filled.get(name, set()) != expected[name]]
     if missing:
-        raise ValueError(f"{folder}: the checkpoint is missing tensors for {missing[:8]}"
+        raise ValueError(f"{where}: the checkpoint is missing tensors for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} (config.json and the "
-                         "safetensors files do not describe the same model)")
+                         "checkpoint do not describe the same model)")
 
 
 def _our_name(model, hf_name: str) -> tuple[str, int | str | None]:

@@ -45,7 +45,8 @@ class Worker:
         self.backend = get_attention_backend(config.device_config.attention_backend)
         self.memory_at_start = platform.memory_at_start()   # before anything of ours is loaded
         self.model, self.hf_config = load_model(model_config.model_path, self.backend, dtype=model_config.dtype,
-                                                device=platform.device, hf_config=model_config.hf_config)
+                                                device=platform.device, hf_config=model_config.hf_config,
+                                                quantization=model_config.quantization)
         # The platform's versions of the ops (packed weights, C++ kernels), chosen once.
         platform.process_weights_after_loading(self.model)
         self.kv_caches: list[torch.Tensor] = []

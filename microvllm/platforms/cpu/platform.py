@@ -14,7 +14,7 @@ from microvllm.layers.custom_op import CustomOp
 from microvllm.layers.layernorm import RMSNorm
 from microvllm.layers.linear import Linear
 from microvllm.layers.rotary_embedding import ApplyRotaryEmb
-from microvllm.platforms.cpu import decode_fast_path, kernels, ops
+from microvllm.platforms.cpu import decode_fast_path, kernels, ops, quantized_gemm
 from microvllm.platforms.cpu.gemm import PackedLinear
 from microvllm.platforms.interface import Platform
 from microvllm.sample.sampler import Argmax
@@ -45,6 +45,8 @@ class CpuPlatform(Platform):
 
     def op_version(self, op: CustomOp) -> Callable | None:
         if isinstance(op, Linear):
+            if op.quant_method is not None:   # GGUF / int8 weights: kernels on the packed blocks
+                return quantized_gemm.quantized_linear_version(op)
             return PackedLinear(op)
         for cls, (version, library) in _OPS.items():
             if isinstance(op, cls):
