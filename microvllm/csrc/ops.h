@@ -29,6 +29,14 @@ int amx_init();
 void amx_linear(const void* x, const void* packed, const void* bias, void* y, int M, int N, int K);
 void avx512_linear(const void* x, const void* packed, const void* bias, void* y, int M, int N, int K);
 
+// quantized_linear.cpp: y [M, N] = x [M, K] @ W.T (+ bias), float32 x and y, W as stored:
+// GGUF Q4_1 or Q8_0 rows of blocks, or int8 rows with float32 scales; dequantize_rows
+// (format 0 Q4_1, 1 Q8_0, 2 int8) writes W [N, K] as float32.
+void q4_1_linear(const void* x, const void* weight, const void* bias, void* y, int M, int N, int K);
+void q8_0_linear(const void* x, const void* weight, const void* bias, void* y, int M, int N, int K);
+void int8_linear(const void* x, const void* weight, const void* scales, const void* bias, void* y, int M, int N, int K);
+void dequantize_rows(int format, const void* weight, const void* scales, void* out, int N, int K);
+
 // argmax.cpp: greedy sampling, the first index of each row's maximum (or first NaN).
 void argmax_rows(const void* logits, void* out, int rows, int64_t vocab);
 

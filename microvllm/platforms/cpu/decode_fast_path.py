@@ -42,7 +42,8 @@ arguments; hence a C loop. Notebook 11 measures the step with it on and off.)
 
 It applies to decode-only steps (every request computes one token) of up to
 ``AMX_MAX_ROWS`` (bfloat16) or ``AVX512_MAX_ROWS`` (float32) requests, on a CPU whose
-projections have those kernels, with the ``cpu`` attention backend, for Llama and
+projections have those kernels (or, for quantized weights, all of one format with a kernel
+in ``quantized_linear.cpp``: GGUF Q4_1 or Q8_0, up to ``MAX_FUSED_ROWS`` requests), with the ``cpu`` attention backend, for Llama and
 Mistral layers (not Qwen3's per-head norms). Every other step runs the model.
 """
 
@@ -55,13 +56,16 @@ import torch
 from microvllm.attention.metadata import AttentionMetadata
 from microvllm.distributed import get_tensor_model_parallel_world_size
 from microvllm.layers.linear import Linear
-from microvllm.platforms.cpu import attention as attention_kernels, kernels
+from microvllm.platforms.cpu import attention as attention_kernels, kernels, quantized_gemm
 from microvllm.platforms.cpu.attention_backend import CPUAttentionBackend
 from microvllm.platforms.cpu.gemm import AMX_MAX_ROWS, AVX512_MAX_ROWS, PackedGemm, PackedLinear, tensor_version
 from microvllm.platforms.cpu.kernels import DTYPE_CODES
 
 # dtype -> (the PackedGemm pack whose kernel runs the projections, most rows it takes)
 GEMM_KERNELS = {torch.bfloat16: ("amx", AMX_MAX_ROWS), torch.float32: ("avx512", AVX512_MAX_ROWS)}
+# Quantized projections (layers/quantization/): weight format -> the C function that runs
+# them, on the weights as stored (float32 activations; its signature is the GEMM's).
+QUANTIZED_GEMMS = {"Q4_1": "q4_1_linear", "Q8_0": "q8_0_linear"}
 # What decode_layers() times with ``seconds`` (its enum, in order).
 KERNEL_KINDS = ("gemm", "attention", "write_kv", "rms_norm", "rope", "silu_and_mul")
 
@@ -98,14 +102,14 @@ class Buffers(ctypes.Structure):
 
 def unsupported_reason(model) -> str | None:
     """None if ``model``'s decode steps can take the fast path here, else why not."""
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.norm.weight.dtype   # the activations' (a quantized embedding is not)
     if get_tensor_model_parallel_world_size() > 1:
         # The C loop runs whole layers: it has no all-reduce after o_proj and down_proj,
         # so on a shard it would compute partial sums and wrong tokens.
         return "tensor parallelism (the C layer loop does not all-reduce between ranks)"
     if dtype not in GEMM_KERNELS:
         return f"{dtype} (the fast path runs float32 and bfloat16)"
-    if model.embed_tokens.weight.device.type != "cpu":
+    if model.norm.weight.device.type != "cpu":
         return "the model is not on a CPU"
     if model.qk_norm:
         return "per-head query / key norms (Qwen3) are not in the fast path's layer"
@@ -113,13 +117,22 @@ def unsupported_reason(model) -> str | None:
         reason = kernels.status(library)
         if reason is not None:
             return reason
-    kind = GEMM_KERNELS[dtype][0]
+    kind = gemm_kind(model)
+    if kind in QUANTIZED_GEMMS.values():
+        if dtype != torch.float32 or quantized_gemm.status() is not None:
+            return f"{kind} runs float32 activations here ({quantized_gemm.status() or dtype})"
+    elif kind is None:
+        return "the projections mix quantized formats (or one the layer loop has no kernel for)"
     for layer in model.layers:
         if not isinstance(layer.self_attn.attn.backend, CPUAttentionBackend):
             return "the attention backend is not 'cpu'"
         if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
             return "the layer's two norms have different eps"
         for linear in _projections(layer):
+            if kind in QUANTIZED_GEMMS.values():
+                if not isinstance(linear.forward_method, quantized_gemm.QuantizedLinear):
+                    return "the quantized projections do not run the CPU platform's kernels"
+                continue
             gemm = packed_gemm(linear)
             if gemm is None:
                 return "the projections do not run the CPU platform's packed GEMM"
@@ -127,6 +140,16 @@ def unsupported_reason(model) -> str | None:
                 return (f"{linear.weight.dtype} {list(linear.weight.shape)} weights cannot use "
                         f"the {kind} kernel here")
     return None
+
+
+def gemm_kind(model) -> str | None:
+    """What runs the layers' projections: a ``PackedGemm`` kind ("amx", "avx512") for float
+    weights, the C function of a quantized format, or None if the projections mix formats."""
+    formats = {quantized_gemm.weight_format(linear) if linear.quant_method is not None else "float"
+               for layer in model.layers for linear in _projections(layer)}
+    if formats == {"float"}:
+        return GEMM_KERNELS.get(model.norm.weight.dtype, (None,))[0]
+    return QUANTIZED_GEMMS.get(formats.pop()) if len(formats) == 1 else None
 
 
 def packed_gemm(linear: Linear) -> PackedGemm | None:
@@ -153,14 +176,19 @@ class DecodeFastPath:
         if reason is not None:
             raise ValueError(f"the decode fast path does not apply: {reason}")
         self.model = model
-        self.dtype = model.embed_tokens.weight.dtype
-        self.kind, self.max_rows = GEMM_KERNELS[self.dtype]
+        self.dtype = model.norm.weight.dtype
+        self.kind = gemm_kind(model)
+        self.quantized = self.kind in QUANTIZED_GEMMS.values()
+        self.max_rows = quantized_gemm.MAX_FUSED_ROWS if self.quantized else GEMM_KERNELS[self.dtype][1]
         first = model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden = model.config.hidden_size
-        self.intermediate = model.layers[0].mlp.down_proj.weight.shape[1]
-        gemm = (kernels.load("amx_linear").amx_linear if self.kind == "amx"
-                else kernels.load("avx512_linear").avx512_linear)
+        self.intermediate = model.layers[0].mlp.down_proj.in_features
+        if self.quantized:
+            gemm = getattr(kernels.load("quantized_linear"), self.kind)
+        else:
+            gemm = (kernels.load("amx_linear").amx_linear if self.kind == "amx"
+                    else kernels.load("avx512_linear").avx512_linear)
         norm_rope, attention = kernels.load("norm_rope"), kernels.load("paged_attention")
         # The C functions the modules' CPU versions call, as function pointers.
         self.kernels = Kernels(
@@ -244,7 +272,8 @@ class DecodeFastPath:
         for i, layer in enumerate(self.model.layers):
             weights = []   # (packed weight, bias) of qkv, o, gate_up, down
             for linear in _projections(layer):
-                weights += [ptr(packed_gemm(linear).pack(linear.weight, self.kind)), ptr(linear.bias)]
+                weight = linear.weight if self.quantized else packed_gemm(linear).pack(linear.weight, self.kind)
+                weights += [ptr(weight), ptr(linear.bias)]
             attn = layer.self_attn.attn
             records.append(Layer(
                 ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight), *weights,

@@ -91,6 +91,7 @@ LIBRARIES = {
                           init_error="Linux refused this process the AMX tile registers "
                                      "(arch_prctl ARCH_REQ_XCOMP_PERM needs Linux 5.16 or newer)"),
     "decode_layers": Library(),        # the decode fast path's layer loop
+    "quantized_linear": Library(),     # GGUF Q4_1 / Q8_0 and int8 weights (AVX-512, else plain loops)
 }
 
 

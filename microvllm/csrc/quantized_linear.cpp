@@ -1,0 +1,231 @@
+// Linear layers on quantized weights, computed on the stored blocks (no float copy kept).
+//
+//   y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])      x, y float32; W in one of:
+//
+//   format 0  Q4_1 (GGUF)   a row = K/32 blocks of 20 bytes:  d fp16 | m fp16 | 16 bytes of nibbles
+//                           byte 4+j: low nibble q[j], high nibble q[j+16];   w = d*q + m
+//   format 1  Q8_0 (GGUF)   a row = K/32 blocks of 34 bytes:  d fp16 | 32 x int8;   w = d*q
+//   format 2  int8          a row = K int8, one float32 scale per row:           w = s[n]*q
+//
+// (layers/quantization/gguf.py and int8.py draw the same layouts and dequantize them in
+// torch: the reference these kernels are checked against.)
+//
+// Threads split the output rows in groups of G = 16. For its group a thread first
+// dequantizes the 16 rows into a float32 scratch [16][K] (64·K bytes: L2), then every
+// 4 rows of x meet every 4 rows of W in a 4 x 4 tile of dot products, each kept in one
+// 16-lane register and summed across lanes at the end (all 16 at once: sum_lanes_16):
+//
+//   scratch[16][K] <- dequantize(W[n0 .. n0+16])            once per group per call
+//   for m0 in 0, 4, ..:  for j0 in 0, 4, 8, 12:
+//       acc[r][c] (16 lanes) += x[m0+r, k:k+16] * scratch[j0+c, k:k+16]     k = 0, 16, ..
+//       y[m0+r, n0+j0+c] = sum of acc[r][c]'s lanes (+ bias)
+//
+// So the weights cross memory once per call, in their stored size (Q4_1: 5 bits per
+// weight instead of float32's 32), which is what a decode step is bound by, and the
+// activations stay float32: the result is F.linear on the dequantized weights up to
+// float rounding. (llama.cpp instead quantizes x to 8 bits too and multiplies integers,
+// e.g. with AVX-512 VNNI: faster arithmetic, but no longer the float model's result.)
+//
+// A CPU without AVX-512 runs the same loops written plainly (the compiler vectorizes what
+// it can). dequantize_rows is the first half alone: the prefill path (many rows of x)
+// dequantizes a weight into a temporary and hands it to oneDNN / MKL.
+
+#include "ops.h"   // this file's C entry points, declared once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int G = 16;      // output rows per thread work item
+constexpr int QK = 32;     // weights per GGUF block
+
+enum Format { Q4_1 = 0, Q8_0 = 1, INT8 = 2 };
+
+inline float fp16_to_float(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    uint32_t bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else {   // subnormal: normalise
+            int e = -1;
+            uint32_t m = mantissa;
+            do { ++e; m <<= 1; } while (!(m & 0x400));
+            bits = sign | uint32_t(127 - 15 - e) << 23 | (m & 0x3ff) << 13;
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000u | mantissa << 13;
+    } else {
+        bits = sign | (exponent + 127 - 15) << 23 | mantissa << 13;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+int64_t row_bytes(int format, int K) {
+    return format == Q4_1 ? int64_t(K) / QK * 20 : format == Q8_0 ? int64_t(K) / QK * 34 : K;
+}
+
+// One row of W (K weights) -> K floats.
+void dequantize_row(int format, const uint8_t* row, float scale, float* out, int K) {
+    if (format == Q4_1) {
+        for (int b = 0; b < K / QK; ++b, row += 20, out += QK) {
+            const float d = fp16_to_float(row), m = fp16_to_float(row + 2);
+            const uint8_t* qs = row + 4;
+#ifdef __AVX512F__
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+            const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0f));
+            const __m512i high = _mm512_srli_epi32(bytes, 4);
+            const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+            _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(low), vd), vm));
+            _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(high), vd), vm));
+#else
+            for (int j = 0; j < 16; ++j) {
+                out[j] = d * float(qs[j] & 0x0f) + m;
+                out[j + 16] = d * float(qs[j] >> 4) + m;
+            }
+#endif
+        }
+    } else if (format == Q8_0) {
+        for (int b = 0; b < K / QK; ++b, row += 34, out += QK) {
+            const float d = fp16_to_float(row);
+            const int8_t* qs = reinterpret_cast<const int8_t*>(row + 2);
+#ifdef __AVX512F__
+            const __m512 vd = _mm512_set1_ps(d);
+            for (int h = 0; h < 2; ++h) {
+                const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * h)));
+                _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(q), vd));
+            }
+#else
+            for (int j = 0; j < QK; ++j) out[j] = d * float(qs[j]);
+#endif
+        }
+    } else {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(row);
+        int k = 0;
+#ifdef __AVX512F__
+        const __m512 vs = _mm512_set1_ps(scale);
+        for (; k + 16 <= K; k += 16) {
+            const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + k)));
+            _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(q), vs));
+        }
+#endif
+        for (; k < K; ++k) out[k] = float(qs[k]) * scale;
+    }
+}
+
+#ifdef __AVX512F__
+// 16 registers -> one: lane i = the sum of register i's 16 lanes (45 instructions, where 16
+// separate reductions take ~160): pairs are interleaved and added, twice, then the four
+// 128-bit quarters are added across registers.
+inline __m512 sum_lanes_16(const __m512 v[16]) {
+    __m512 s[8], u[4];
+    for (int i = 0; i < 8; ++i)    // quarter j: [a0+a2, b0+b2, a1+a3, b1+b3] (a = v[2i], b = v[2i+1])
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  // quarter j: the four registers' partial sums over their quarter j
+        const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xdd));
+}
+#endif
+
+// y[0 .. ROWS, 0 .. 4] = x rows . w rows (4 rows of the scratch, K floats each) (+ bias).
+template <int ROWS>
+void tile(const float* x, const float* w, const float* bias, float* y, int K, int N) {
+#ifdef __AVX512F__
+    if (K % 16 == 0) {
+        __m512 acc[16];    // acc[4r + c]: x row r . w row c, in 16 lanes
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) {
+            __m512 b[4];
+            for (int c = 0; c < 4; ++c) b[c] = _mm512_loadu_ps(w + int64_t(c) * K + k);
+            for (int r = 0; r < ROWS; ++r) {
+                const __m512 a = _mm512_loadu_ps(x + int64_t(r) * K + k);
+                for (int c = 0; c < 4; ++c) acc[4 * r + c] = _mm512_fmadd_ps(a, b[c], acc[4 * r + c]);
+            }
+        }
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, sum_lanes_16(acc));
+        for (int r = 0; r < ROWS; ++r)
+            for (int c = 0; c < 4; ++c) y[int64_t(r) * N + c] = sums[4 * r + c] + (bias ? bias[c] : 0.f);
+        return;
+    }
+#endif
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < 4; ++c) {
+            float sum = 0.f;
+            for (int k = 0; k < K; ++k) sum += x[int64_t(r) * K + k] * w[int64_t(c) * K + k];
+            y[int64_t(r) * N + c] = sum + (bias ? bias[c] : 0.f);
+        }
+}
+
+using Tile = void (*)(const float*, const float*, const float*, float*, int, int);
+constexpr Tile TILES[5] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>};
+
+void linear(int format, const float* x, const uint8_t* w, const float* scales, const float* bias,
+            float* y, int M, int N, int K) {
+    const int64_t stride = row_bytes(format, K);
+    const int groups = (N + G - 1) / G;
+    #pragma omp parallel
+    {
+        std::vector<float> scratch(int64_t(G) * K);
+        #pragma omp for schedule(static)
+        for (int g = 0; g < groups; ++g) {
+            const int n0 = g * G, rows = N - n0 < G ? N - n0 : G;   // a multiple of 4
+            for (int j = 0; j < rows; ++j)
+                dequantize_row(format, w + (n0 + j) * stride, scales ? scales[n0 + j] : 1.f,
+                               scratch.data() + int64_t(j) * K, K);
+            for (int m0 = 0; m0 < M; m0 += 4) {
+                const int m = M - m0 < 4 ? M - m0 : 4;
+                for (int j0 = 0; j0 < rows; j0 += 4)
+                    TILES[m](x + int64_t(m0) * K, scratch.data() + int64_t(j0) * K,
+                             bias ? bias + n0 + j0 : nullptr, y + int64_t(m0) * N + n0 + j0, K, N);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+void q4_1_linear(const void* x, const void* weight, const void* bias, void* y, int M, int N, int K) {
+    linear(Q4_1, static_cast<const float*>(x), static_cast<const uint8_t*>(weight), nullptr,
+           static_cast<const float*>(bias), static_cast<float*>(y), M, N, K);
+}
+
+void q8_0_linear(const void* x, const void* weight, const void* bias, void* y, int M, int N, int K) {
+    linear(Q8_0, static_cast<const float*>(x), static_cast<const uint8_t*>(weight), nullptr,
+           static_cast<const float*>(bias), static_cast<float*>(y), M, N, K);
+}
+
+void int8_linear(const void* x, const void* weight, const void* scales, const void* bias, void* y, int M, int N, int K) {
+    linear(INT8, static_cast<const float*>(x), static_cast<const uint8_t*>(weight), static_cast<const float*>(scales),
+           static_cast<const float*>(bias), static_cast<float*>(y), M, N, K);
+}
+
+void dequantize_rows(int format, const void* weight, const void* scales, void* out, int N, int K) {
+    const uint8_t* w = static_cast<const uint8_t*>(weight);
+    const float* s = static_cast<const float*>(scales);
+    float* o = static_cast<float*>(out);
+    const int64_t stride = row_bytes(format, K);
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; ++n) dequantize_row(format, w + n * stride, s ? s[n] : 1.f, o + int64_t(n) * K, K);
+}
+
+}  // extern "C"
