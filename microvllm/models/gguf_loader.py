@@ -39,6 +39,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -135,13 +136,12 @@ def _field(reader, key: str):
     return None if field is None else field.contents()
 
 
-def tensor_types(gguf_file: Path, model_cls, hf_config) -> dict[str, str]:
+def tensor_types(gguf_file: Path, our_name: Callable[[str], str], hf_config) -> dict[str, str]:
     """``{layer name in the model: GGUF type}`` for every matrix of the file (the
     ``GGUFConfig``): the parts of a fused layer (q/k/v, gate/up) must share a type, or the
-    layer is loaded as float32. Raises ValueError for a type microvllm cannot compute on."""
+    layer is loaded as float32. ``our_name``: a Hugging Face parameter name -> the model's
+    (``loader.py`` fuses q/k/v). Raises ValueError for a type microvllm cannot compute on."""
     from gguf import GGUFReader
-
-    from microvllm.models.loader import _our_name
 
     types: dict[str, set[str]] = {}
     for tensor in GGUFReader(str(gguf_file)).tensors:
@@ -154,7 +154,7 @@ def tensor_types(gguf_file: Path, model_cls, hf_config) -> dict[str, str]:
                 f"{', '.join(SUPPORTED)} GGUF tensors. Re-quantize the file with llama.cpp (e.g. "
                 f"`llama-quantize --allow-requantize {gguf_file.name} out.gguf Q4_1`, or Q8_0), or "
                 "pass the Hugging Face folder of the model instead")
-        name, _ = _our_name(model_cls, hf_name(tensor.name))
+        name = our_name(hf_name(tensor.name))
         types.setdefault(name.removesuffix(".weight"), set()).add(kind)
     result = {}
     for layer, kinds in types.items():
@@ -167,18 +167,18 @@ def tensor_types(gguf_file: Path, model_cls, hf_config) -> dict[str, str]:
     return result
 
 
-def gguf_quant_config(gguf_file: Path, model_cls, hf_config, dtype: torch.dtype) -> GGUFConfig:
-    return GGUFConfig(tensor_types(gguf_file, model_cls, hf_config), dtype)
+def gguf_quant_config(gguf_file: Path, our_name: Callable[[str], str], hf_config,
+                      dtype: torch.dtype) -> GGUFConfig:
+    return GGUFConfig(tensor_types(gguf_file, our_name, hf_config), dtype)
 
 
-def load_gguf_weights(model, gguf_file: Path, quant_config: GGUFConfig) -> None:
-    """Fill ``model`` (its layers given their GGUF methods) from ``gguf_file``."""
+def gguf_tensors(model, gguf_file: Path, quant_config: GGUFConfig,
+                 our_name: Callable[[str], str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face name, tensor)`` for every weight of ``gguf_file``, as ``model`` (its
+    layers given their GGUF methods) takes them: raw rows for a layer that keeps the file's
+    type, float32 otherwise; q and k rows back in Hugging Face's order."""
     from gguf import GGUFReader
 
-    from microvllm.models.loader import _copy_tensor, _our_name, check_filled
-
-    params = dict(model.named_parameters())
-    filled: dict[str, set] = {}
     config = model.config
     permute = _field(GGUFReader(str(gguf_file)), "general.architecture") in PERMUTED_ARCHITECTURES
     with warnings.catch_warnings():
@@ -188,8 +188,8 @@ def load_gguf_weights(model, gguf_file: Path, quant_config: GGUFConfig) -> None:
             if name == "lm_head.weight" and model.tie_word_embeddings:
                 continue
             kind = tensor.tensor_type.name
-            ours, _ = _our_name(model, name)
-            keep = quant_config.tensor_types.get(ours.removesuffix(".weight")) == kind and kind in GGUF_TYPES
+            keep = quant_config.tensor_types.get(our_name(name).removesuffix(".weight")) == kind \
+                and kind in GGUF_TYPES
             data = torch.from_numpy(tensor.data)
             if kind == "F16":
                 data = data.view(torch.uint8).reshape(data.shape[0], -1) if keep else data.float()
@@ -200,8 +200,7 @@ def load_gguf_weights(model, gguf_file: Path, quant_config: GGUFConfig) -> None:
                 data = _reverse_permute(data, config.num_attention_heads)
             elif permute and ".self_attn.k_proj." in name:
                 data = _reverse_permute(data, config.num_key_value_heads)
-            _copy_tensor(model, params, filled, name, data, gguf_file)
-    check_filled(model, params, filled, gguf_file)
+            yield name, data
 
 
 def _reverse_permute(rows: torch.Tensor, num_heads: int) -> torch.Tensor:

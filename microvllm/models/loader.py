@@ -31,7 +31,7 @@ from microvllm.distributed import get_tensor_model_parallel_world_size
 from microvllm.layers.linear import check_shape
 from microvllm.layers.quantization import check_quantization, quantize_layers
 from microvllm.layers.quantization.int8 import Int8Config
-from microvllm.models.gguf_loader import gguf_quant_config, gguf_weights_file, load_gguf_weights
+from microvllm.models.gguf_loader import gguf_quant_config, gguf_tensors, gguf_weights_file
 from microvllm.models.registry import resolve_model_class
 
 
@@ -80,7 +80,8 @@ def load_model(model_path: str | Path, backend, dtype="float32", max_position: i
     model.rotary.build_table(device)  # buffers are not in the checkpoint
     gguf_file = gguf_weights_file(Path(model_path))
     if gguf_file is not None:
-        load_gguf_weights(model, gguf_file, quant_config)
+        fill_weights(model, gguf_tensors(model, gguf_file, quant_config, lambda n: _our_name(model, n)[0]),
+                     gguf_file)
     else:
         load_weights(model, Path(model_path))
     model = model.to(torch_dtype).eval()   # quantized weights (integer tensors) stay as they are
@@ -96,7 +97,7 @@ def _quant_config(path: Path, quantization: str | None, model_cls, hf_config, dt
     if quantization is not None and get_tensor_model_parallel_world_size() > 1:
         raise ValueError(f"quantization={quantization!r} runs in one process: use tensor_parallel_size=1")
     if quantization == "gguf":
-        return gguf_quant_config(gguf_file, model_cls, hf_config, dtype)
+        return gguf_quant_config(gguf_file, lambda n: _our_name(model_cls, n)[0], hf_config, dtype)
     if quantization == "int8":
         return Int8Config(dtype)
     return None
@@ -136,6 +137,15 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
                                      "the file is truncated or corrupt") from e
                 _copy_tensor(model, params, filled, hf_name, tensor, file)
     check_filled(model, params, filled, folder)
+
+
+def fill_weights(model: torch.nn.Module, tensors, where) -> None:
+    """Fill every parameter from ``(Hugging Face name, tensor)`` pairs (a GGUF file's)."""
+    params = dict(model.named_parameters())
+    filled: dict[str, set] = {}
+    for hf_name, tensor in tensors:
+        _copy_tensor(model, params, filled, hf_name, tensor, where)
+    check_filled(model, params, filled, where)
 
 
 def check_filled(model, params, filled, where) -> None:

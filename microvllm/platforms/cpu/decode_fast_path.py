@@ -43,8 +43,9 @@ arguments; hence a C loop. Notebook 11 measures the step with it on and off.)
 It applies to decode-only steps (every request computes one token) of up to
 ``AMX_MAX_ROWS`` (bfloat16) or ``AVX512_MAX_ROWS`` (float32) requests, on a CPU whose
 projections have those kernels (or, for quantized weights, all of one format with a kernel
-in ``quantized_linear.cpp``: GGUF Q4_1 or Q8_0, up to ``MAX_FUSED_ROWS`` requests), with the ``cpu`` attention backend, for Llama and
-Mistral layers (not Qwen3's per-head norms). Every other step runs the model.
+in ``quantized_linear.cpp``: GGUF Q4_1 or Q8_0, up to ``MAX_FUSED_ROWS`` requests), with
+the ``cpu`` attention backend, for Llama and Mistral layers (not Qwen3's per-head norms).
+Every other step runs the model.
 """
 
 from __future__ import annotations

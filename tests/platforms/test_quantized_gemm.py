@@ -1,0 +1,108 @@
+"""The quantized linear kernels (``csrc/quantized_linear.cpp``) against the torch
+dequantization (``layers/quantization/``) on fresh random inputs, and their fallback.
+
+Fresh random inputs per test (seeded by the test's name). The plain-loop version a CPU
+without AVX-512 runs is built here too (with AVX-512 switched off) and checked the same way."""
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from microvllm.layers.quantization.gguf import dequantize
+from microvllm.layers.quantization.int8 import dequantize_int8, quantize_int8_per_row
+from microvllm.platforms.cpu import kernels, quantized_gemm
+from tests.attention.cases import seed_for
+
+needs_kernels = pytest.mark.skipif(quantized_gemm.status() is not None,
+                                   reason=f"quantized kernels unavailable: {quantized_gemm.status()}")
+ROWS = [1, 3, 4, 5, 32, 64]
+SHAPES = [(4, 32), (20, 64), (96, 576), (960, 576), (576, 1536)]
+FORMATS = ["Q4_1", "Q8_0", "int8"]
+
+
+def quantized_case(request, fmt, n, k):
+    """A random weight in ``fmt`` and its dequantized float32 reference."""
+    import gguf
+
+    g = torch.Generator().manual_seed(seed_for(request.node.name))
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    if fmt == "int8":
+        q, scales = quantize_int8_per_row(w)
+        return q, scales, dequantize_int8(q, scales)
+    stored = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[fmt])
+    q = torch.from_numpy(np.ascontiguousarray(stored))
+    return q, None, dequantize(q, fmt, k)
+
+
+def close(got, expected, k):
+    # float32 sums of k products in another order: a few units of roundoff times sqrt(k)
+    tolerance = 2.0 ** -24 * 8 * k ** 0.5 * (expected.abs().max().item() + 1)
+    assert (got - expected).abs().max().item() <= tolerance
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("n,k", SHAPES, ids=[f"N{n}-K{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("rows", ROWS, ids=[f"M{m}" for m in ROWS])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_matches_the_torch_dequantization(request, fmt, rows, n, k, bias):
+    q, scales, reference = quantized_case(request, fmt, n, k)
+    g = torch.Generator().manual_seed(seed_for(request.node.name) + 1)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = quantized_gemm.quantized_linear(x, q, fmt, n, b, scales)
+    close(got, F.linear(x, reference, b), k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_rows_matches_torch(request, fmt):
+    q, scales, reference = quantized_case(request, fmt, 96, 576)
+    got = quantized_gemm.dequantize_weight(q, fmt, 96, 576, scales)
+    # the kernel may fuse d * q + m into one rounding: at most one unit of roundoff apart
+    assert torch.allclose(got, reference, rtol=2.0 ** -23, atol=1e-7)
+
+
+@needs_kernels
+def test_int8_rows_whose_length_is_not_a_multiple_of_16(request):
+    q, scales, reference = quantized_case(request, "int8", 8, 40)
+    x = torch.randn(3, 40)
+    close(quantized_gemm.quantized_linear(x, q, "int8", 8, None, scales), F.linear(x, reference), 40)
+
+
+def test_wrong_inputs_are_refused_with_the_reason(request):
+    q, _, _ = quantized_case(request, "Q4_1", 8, 64)
+    with pytest.raises(ValueError, match="must be a contiguous CPU tensor"):
+        quantized_gemm.quantized_linear(torch.randn(1, 64), q[:, :20], "Q4_1", 8)
+    with pytest.raises(ValueError, match="int8 weights need float32 scales"):
+        quantized_gemm.quantized_linear(torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), "int8", 8)
+    with pytest.raises(ValueError, match="x must be float32"):
+        quantized_gemm.quantized_linear(torch.randn(1, 64, dtype=torch.bfloat16), q, "Q4_1", 8)
+
+
+def test_the_plain_loop_version_matches_too(request, tmp_path):
+    """What a CPU without AVX-512 runs: the same file built with AVX-512 off."""
+    compiler = kernels._compiler()
+    flags = [f for f in kernels.COMPILE_FLAGS if not f.startswith(("-march", "-mprefer"))]
+    library = tmp_path / "plain.so"
+    done = subprocess.run([compiler, *flags, "-mno-avx512f", "-shared", str(kernels.CSRC / "quantized_linear.cpp"),
+                           "-o", str(library)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"could not build the plain version: {done.stderr[-300:]}")
+    lib = ctypes.CDLL(str(library))
+    for name, (restype, argtypes) in kernels.signatures().items():
+        if hasattr(lib, name):
+            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+    for fmt in FORMATS:
+        q, scales, reference = quantized_case(request, fmt, 20, 96)
+        x = torch.randn(5, 96)
+        y = torch.empty(5, 20)
+        if fmt == "int8":
+            lib.int8_linear(x.data_ptr(), q.data_ptr(), scales.data_ptr(), None, y.data_ptr(), 5, 20, 96)
+        else:
+            getattr(lib, f"{fmt.lower()}_linear")(x.data_ptr(), q.data_ptr(), None, y.data_ptr(), 5, 20, 96)
+        close(y, F.linear(x, reference), 96)
