@@ -26,6 +26,7 @@
 // float rounding. (llama.cpp instead quantizes x to 8 bits too and multiplies integers,
 // e.g. with AVX-512 VNNI: faster arithmetic, but no longer the float model's result.)
 //
+// At batch 1-4 a thread skips the scratch: see small_batch_tile.
 // A CPU without AVX-512 runs the same loops written plainly (the compiler vectorizes what
 // it can). dequantize_rows is the first half alone: the prefill path (many rows of x)
 // dequantizes a weight into a temporary and hands it to oneDNN / MKL.
@@ -174,6 +175,69 @@ void tile(const float* x, const float* w, const float* bias, float* y, int K, in
         }
 }
 
+#ifdef __AVX512F__
+// A few rows of x (a decode step at small batch): no scratch. Each block of 4 weight rows
+// is dequantized in registers and used at once, so a weight costs its load, a few
+// instructions to unpack, and ROWS fused multiply-adds (the scratch's store and reload
+// are what the weights would otherwise cost twice at batch 1).
+//
+//   for each block b of 32 inputs:  for c in 0..3:  w_lo, w_hi = dequantize(W[n + c], b)
+//                                                   acc[r][c] += x[r, b] * w  (r < ROWS)
+template <int FORMAT>
+inline void dequantize_block(const uint8_t* block, __m512& lo, __m512& hi) {
+    if (FORMAT == Q4_1) {
+        int32_t scales;
+        std::memcpy(&scales, block, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));           // [d, m, 0, 0]
+        const __m512 d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
+        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
+    } else if (FORMAT == INT8) {   // the row's scale is applied to the sum instead
+        const __m128i* q = reinterpret_cast<const __m128i*>(block);
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+    } else {   // Q8_0
+        const __m512 d = _mm512_set1_ps(fp16_to_float(block));
+        const __m128i* q = reinterpret_cast<const __m128i*>(block + 2);
+        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
+        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+    }
+}
+
+template <int FORMAT, int ROWS>
+void small_batch_tile(const float* x, const uint8_t* w, int64_t stride, const float* scales, const float* bias,
+                      float* y, int K, int N) {
+    constexpr int bytes = FORMAT == Q4_1 ? 20 : FORMAT == Q8_0 ? 34 : 32;
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < K / QK; ++b) {
+        __m512 xs[ROWS][2];
+        for (int r = 0; r < ROWS; ++r) {
+            xs[r][0] = _mm512_loadu_ps(x + int64_t(r) * K + QK * b);
+            xs[r][1] = _mm512_loadu_ps(x + int64_t(r) * K + QK * b + 16);
+        }
+        for (int c = 0; c < 4; ++c) {
+            __m512 lo, hi;
+            dequantize_block<FORMAT>(w + c * stride + int64_t(b) * bytes, lo, hi);
+            for (int r = 0; r < ROWS; ++r)
+                acc[4 * r + c] = _mm512_fmadd_ps(xs[r][1], hi, _mm512_fmadd_ps(xs[r][0], lo, acc[4 * r + c]));
+        }
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, sum_lanes_16(acc));
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < 4; ++c)
+            y[int64_t(r) * N + c] = sums[4 * r + c] * (scales ? scales[c] : 1.f) + (bias ? bias[c] : 0.f);
+}
+
+using SmallTile = void (*)(const float*, const uint8_t*, int64_t, const float*, const float*, float*, int, int);
+template <int FORMAT>
+constexpr SmallTile SMALL_TILES[5] = {nullptr, small_batch_tile<FORMAT, 1>, small_batch_tile<FORMAT, 2>,
+                                      small_batch_tile<FORMAT, 3>, small_batch_tile<FORMAT, 4>};
+constexpr int SMALL_BATCH = 4;   // rows of x up to which the small-batch tiles run
+#endif
+
 using Tile = void (*)(const float*, const float*, const float*, float*, int, int);
 constexpr Tile TILES[5] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>};
 
@@ -181,6 +245,16 @@ void linear(int format, const float* x, const uint8_t* w, const float* scales, c
             float* y, int M, int N, int K) {
     const int64_t stride = row_bytes(format, K);
     const int groups = (N + G - 1) / G;
+#ifdef __AVX512F__
+    if (M <= SMALL_BATCH && K % QK == 0) {
+        const SmallTile tile = format == Q4_1 ? SMALL_TILES<Q4_1>[M] : format == Q8_0 ? SMALL_TILES<Q8_0>[M]
+                                                                                    : SMALL_TILES<INT8>[M];
+        #pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n += 4)
+            tile(x, w + n * stride, stride, scales ? scales + n : nullptr, bias ? bias + n : nullptr, y + n, K, N);
+        return;
+    }
+#endif
     #pragma omp parallel
     {
         std::vector<float> scratch(int64_t(G) * K);
