@@ -628,7 +628,9 @@ def parse_args(argv):
     parser.add_argument("--model", default=None,
                         help="a Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--workload", default="all", choices=["random", "prefix", "all"])
+    parser.add_argument("--workload", default="all", choices=["random", "prefix", "all", "quantization"],
+                        help="quantization: the embedded model as f32 / int8 / Q4_1 side by side "
+                             "(bench/quantized.py); all = random + prefix")
     parser.add_argument("--quick", action="store_true",
                         help="a small version for CI: 4 short requests, no HF one-at-a-time")
     parser.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int,
@@ -703,6 +705,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     from transformers.utils import logging as hf_logging
 
+    if args.workload == "quantization":
+        from microvllm.bench.quantized import bench_quantization
+        bench_quantization(args)
+        return 0
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if args.model is None:

@@ -45,6 +45,7 @@ import torch
 
 from microvllm.envs import cache_dir
 from microvllm.layers.quantization.gguf import FLOAT_TYPES, GGUF_TYPES, GGUFConfig, dequantize
+from microvllm.models.gguf_file import GGUFIndex
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ def _write_config_and_tokenizer(gguf_file: Path, folder: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     reader = GGUFReader(str(gguf_file))
-    arch = _field(reader, "general.architecture")
+    field = reader.fields.get("general.architecture")
+    arch = None if field is None else field.contents()
     if arch not in ARCHITECTURES:
         raise ValueError(f"{gguf_file}: general.architecture={arch!r} is not supported; microvllm runs "
                          f"GGUF files of {sorted(ARCHITECTURES)} models")
@@ -131,21 +133,15 @@ def _write_config_and_tokenizer(gguf_file: Path, folder: Path) -> None:
         logger.warning("%s has no tokenizer: prompts must be given as token ids", gguf_file.name)
 
 
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 def tensor_types(gguf_file: Path, our_name: Callable[[str], str], hf_config) -> dict[str, str]:
     """``{layer name in the model: GGUF type}`` for every matrix of the file (the
     ``GGUFConfig``): the parts of a fused layer (q/k/v, gate/up) must share a type, or the
     layer is loaded as float32. ``our_name``: a Hugging Face parameter name -> the model's
     (``loader.py`` fuses q/k/v). Raises ValueError for a type microvllm cannot compute on."""
-    from gguf import GGUFReader
-
     types: dict[str, set[str]] = {}
-    for tensor in GGUFReader(str(gguf_file)).tensors:
-        kind = tensor.tensor_type.name
+    index = GGUFIndex(gguf_file)
+    for tensor in index.tensors:
+        kind = tensor.type_name
         if len(tensor.shape) < 2:
             continue    # norms and biases: read as float32 whatever they are stored in
         if kind not in SUPPORTED:
@@ -156,6 +152,7 @@ def tensor_types(gguf_file: Path, our_name: Callable[[str], str], hf_config) -> 
                 "pass the Hugging Face folder of the model instead")
         name = our_name(hf_name(tensor.name))
         types.setdefault(name.removesuffix(".weight"), set()).add(kind)
+    index.close()
     result = {}
     for layer, kinds in types.items():
         if len(kinds) > 1:
@@ -177,30 +174,35 @@ def gguf_tensors(model, gguf_file: Path, quant_config: GGUFConfig,
     """``(Hugging Face name, tensor)`` for every weight of ``gguf_file``, as ``model`` (its
     layers given their GGUF methods) takes them: raw rows for a layer that keeps the file's
     type, float32 otherwise; q and k rows back in Hugging Face's order."""
-    from gguf import GGUFReader
-
     config = model.config
-    permute = _field(GGUFReader(str(gguf_file)), "general.architecture") in PERMUTED_ARCHITECTURES
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for tensor in GGUFReader(str(gguf_file)).tensors:
-            name = hf_name(tensor.name)
-            if name == "lm_head.weight" and model.tie_word_embeddings:
-                continue
-            kind = tensor.tensor_type.name
-            keep = quant_config.tensor_types.get(our_name(name).removesuffix(".weight")) == kind \
-                and kind in GGUF_TYPES
-            data = torch.from_numpy(tensor.data)
-            if kind == "F16":
-                data = data.view(torch.uint8).reshape(data.shape[0], -1) if keep else data.float()
-            elif kind in GGUF_TYPES and not keep:   # a fused layer of mixed types: float32
-                in_features = int(tensor.shape[0])
-                data = dequantize(data.reshape(-1, data.shape[-1]), kind, in_features)
-            if permute and ".self_attn.q_proj." in name:
-                data = _reverse_permute(data, config.num_attention_heads)
-            elif permute and ".self_attn.k_proj." in name:
-                data = _reverse_permute(data, config.num_key_value_heads)
-            yield name, data
+    index = GGUFIndex(gguf_file)
+    permute = index.fields.get("general.architecture") in PERMUTED_ARCHITECTURES
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for tensor in index.tensors:
+                name = hf_name(tensor.name)
+                if name == "lm_head.weight" and model.tie_word_embeddings:
+                    continue
+                yield name, _as_loaded(tensor, name, quant_config, our_name, config, permute)
+    finally:
+        tensor = None   # noqa: F841  (drop the last view of the file before unmapping it)
+        index.close()
+
+
+def _as_loaded(tensor, name: str, quant_config: GGUFConfig, our_name, config, permute: bool) -> torch.Tensor:
+    kind = tensor.type_name
+    keep = quant_config.tensor_types.get(our_name(name).removesuffix(".weight")) == kind and kind in GGUF_TYPES
+    data = torch.from_numpy(tensor.data)
+    if kind == "F16":
+        data = data.view(torch.uint8).reshape(data.shape[0], -1) if keep else data.float()
+    elif kind in GGUF_TYPES and not keep:   # a fused layer of mixed types: float32
+        data = dequantize(data.reshape(-1, data.shape[-1]), kind, int(tensor.shape[0]))
+    if permute and ".self_attn.q_proj." in name:
+        data = _reverse_permute(data, config.num_attention_heads)
+    elif permute and ".self_attn.k_proj." in name:
+        data = _reverse_permute(data, config.num_key_value_heads)
+    return data
 
 
 def _reverse_permute(rows: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ def tiny_folder(tmp_path_factory):
 def gguf_files(tiny_folder, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     return {kind: write_gguf(tiny_folder, root / f"tiny-{kind}.gguf", weight_type=kind)
-            for kind in ("Q4_1", "Q8_0")}
+            for kind in ("Q4_1", "Q8_0", "F16")}
 
 
 def tokens(llm, prompts=PROMPTS):
@@ -55,16 +55,17 @@ def test_torch_dequantization_equals_the_gguf_package(kind):
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["torch", "platform"])
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "F16"])
 def test_native_gguf_matches_its_float_expansion(gguf_files, tmp_path, kind, enforce_eager):
     file = gguf_files[kind]
     native = LLM(model=str(file), enforce_eager=enforce_eager)
     model = native.engine.executor.worker.model
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.quant_method, GGUFLinearMethod) and qkv.weight.dtype == torch.uint8
-    assert qkv.weight.shape == (128, 64 // 32 * (20 if kind == "Q4_1" else 34))   # the file's bytes
+    assert qkv.weight.shape == (128, 64 // 32 * {"Q4_1": 20, "Q8_0": 34, "F16": 64}[kind])   # the file's bytes
     assert model.embed_tokens.weight_type == "Q8_0"
-    assert qkv.implementation == ("native" if enforce_eager else "QuantizedLinear")
+    # F16 has no kernel of its own: dequantized in torch on both paths
+    assert qkv.implementation == ("native" if enforce_eager or kind == "F16" else "QuantizedLinear")
     got = tokens(native)
     convert_gguf(file, tmp_path / "expanded")   # transformers: the file dequantized to float32
     expected = tokens(LLM(model=str(tmp_path / "expanded"), enforce_eager=enforce_eager))

@@ -1,0 +1,191 @@
+"""``bench throughput --workload quantization``: the same model stored three ways, side by side.
+
+    f32     the embedded model's float32 expansion (what ``LLM()`` runs)
+    int8    that folder with ``quantization="int8"`` (int8 weights, a scale per row)
+    Q4_1    the GGUF file itself, ``LLM(model="<file>.gguf")`` (Q4_1 layers, a Q8_0 embedding)
+    HF      transformers ``from_pretrained`` + tokenizer on the float folder (start and memory only)
+    llama.cpp  the same GGUF file through ``llama_cpp`` (only when it is importable)
+
+Each measurement runs in a fresh Python process, so that its start time and the resident
+memory it adds are its own: the memory ``LLM()`` adds to a process that has already
+imported torch and transformers (``/proc/self/status`` VmRSS before and after), its start
+time (``LLM()`` returning, weights loaded and kernels built: a warm start), and decode-only
+steps at batch 1 and at batch 32 timed by hand (the median step). The formats take turns,
+``--repeat`` rounds (3), and each figure is the median over rounds: a shared machine's speed
+drifts over minutes, so only runs made side by side compare.
+
+Budget (issue 33): the memory ``LLM()`` adds should be at most (weights as stored + KV
+cache) x 1.25; the table says whether each run is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BATCHES = (1, 32)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def measure_microvllm(model: str, quantization: str | None, float_folder: str, threads: int,
+                      prompt_len: int, output_len: int, seed: int) -> dict:
+    """In this (fresh) process: start, memory, decode steps of one format."""
+    import torch
+    import transformers  # noqa: F401  (part of the runtime both sides load)
+
+    from microvllm import LLM
+    from microvllm.bench.roofline import ModelCost
+    from microvllm.bench.throughput import decode_steps
+
+    torch.set_num_threads(threads)
+    before = rss_bytes()
+    start = time.perf_counter()
+    llm = LLM(model=model, quantization=quantization)
+    start_s = time.perf_counter() - start
+    added = rss_bytes() - before
+    worker = llm.engine.executor.worker
+    weights = sum(t.numel() * t.element_size() for t in [*worker.model.parameters(), *worker.model.buffers()])
+    kv_cache = sum(c.numel() * c.element_size() for c in worker.kv_caches)
+    cost = ModelCost.from_folder(float_folder, torch.float32)
+    steps = {}
+    for batch in BATCHES:
+        times, _ = decode_steps(llm, cost, batch, prompt_len, output_len, seed + batch)
+        steps[batch] = statistics.median(times) if times else float("nan")
+    return {"start_s": start_s, "rss_added": added, "weights": weights, "kv_cache": kv_cache,
+            "step_s": steps, "rss_peak_added": _peak_rss() - before}
+
+
+def _peak_rss() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def measure_hf(float_folder: str, threads: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    before = rss_bytes()
+    start = time.perf_counter()
+    AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32)
+    AutoTokenizer.from_pretrained(float_folder)
+    return {"start_s": time.perf_counter() - start, "rss_added": rss_bytes() - before}
+
+
+def measure_llama_cpp(gguf_file: str, threads: int, prompt_len: int, output_len: int) -> dict:
+    """llama.cpp on the GGUF file: start, memory, and the seconds per token of one greedy
+    request (its Python API has no batch of independent requests)."""
+    import llama_cpp
+
+    before = rss_bytes()
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=gguf_file, n_ctx=prompt_len + output_len + 8, n_threads=threads,
+                          verbose=False)
+    start_s = time.perf_counter() - start
+    prompt = list(range(100, 100 + prompt_len))
+    llm.eval(prompt)
+    times = []
+    for _ in range(output_len):
+        token = llm.sample(temp=0.0)
+        begin = time.perf_counter()
+        llm.eval([token])
+        times.append(time.perf_counter() - begin)
+    return {"start_s": start_s, "rss_added": rss_bytes() - before, "step_s": {1: statistics.median(times)}}
+
+
+def _child(kind: str, spec: dict) -> dict:
+    """Run one measurement in a fresh interpreter; its result comes back as JSON."""
+    code = (f"import json, sys; from microvllm.bench import quantized as q; "
+            f"print('RESULT ' + json.dumps(q.{kind}(**json.loads(sys.argv[1]))))")
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
+                          env=env)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+            if "step_s" in result:
+                result["step_s"] = {int(k): v for k, v in result["step_s"].items()}
+            return result
+    raise RuntimeError(f"{kind} failed:\n{done.stderr[-3000:]}")
+
+
+def _median(runs: list[dict], *keys):
+    values = [run for run in runs]
+    for key in keys:
+        values = [v[key] for v in values]
+    return statistics.median(values)
+
+
+def bench_quantization(args) -> None:
+    from microvllm.models.default_model import default_model_path, find_gguf
+
+    if args.model is not None:
+        print("--workload quantization compares the embedded model's three forms; drop --model")
+        return
+    float_folder, gguf_file = str(default_model_path()), str(find_gguf())
+    threads = args.threads or os.cpu_count() or 1
+    prompt_len, output_len = args.decode_prompt_len, args.decode_output_len
+    formats = {"f32": (float_folder, None), "int8": (float_folder, "int8"), "Q4_1 GGUF": (gguf_file, None)}
+    try:
+        import importlib.util
+        has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    except ValueError:
+        has_llama_cpp = False
+    runs: dict[str, list[dict]] = {name: [] for name in [*formats, "HF", *(["llama.cpp"] if has_llama_cpp else [])]}
+    print(f"quantization: the embedded model as f32 / int8 / Q4_1, {args.repeat} rounds in turn, each run a "
+          f"fresh process on {threads} threads; decode-only steps after {prompt_len}-token prompts, "
+          f"{output_len} outputs (median step)")
+    for _ in range(args.repeat):
+        for name, (model, quantization) in formats.items():
+            runs[name].append(_child("measure_microvllm", dict(
+                model=model, quantization=quantization, float_folder=float_folder, threads=threads,
+                prompt_len=prompt_len, output_len=output_len, seed=args.seed)))
+        runs["HF"].append(_child("measure_hf", dict(float_folder=float_folder, threads=threads)))
+        if has_llama_cpp:
+            runs["llama.cpp"].append(_child("measure_llama_cpp", dict(
+                gguf_file=gguf_file, threads=threads, prompt_len=prompt_len, output_len=output_len)))
+    print(f"{'':11}{'weights':>9}{'start s':>9}{'RSS added':>11}{'budget':>9}"
+          + "".join(f"{f'batch {b} tok/s':>15}{'x f32':>7}" for b in BATCHES))
+    base = {b: _median(runs["f32"], "step_s", b) for b in BATCHES}
+    for name, results in runs.items():
+        if not results:
+            continue
+        row = f"{name:11}"
+        weights = results[0].get("weights")
+        row += f"{weights / 2**20:>7.0f}MB" if weights else f"{'':>9}"
+        row += f"{_median(results, 'start_s'):>9.2f}{_median(results, 'rss_added') / 2**20:>9.0f}MB"
+        if weights:
+            budget = (weights + results[0]["kv_cache"]) * 1.25
+            row += f"{'within' if _median(results, 'rss_added') <= budget else 'OVER':>9}"
+        else:
+            row += f"{'':>9}"
+        for batch in BATCHES:
+            if "step_s" in results[0] and batch in results[0]["step_s"]:
+                step = _median(results, "step_s", batch)
+                row += f"{batch / step:>15.1f}{base[batch] / step:>6.2f}x"
+            else:
+                row += f"{'-':>15}{'':>7}"
+        print(row)
+    print("(tok/s of a decode-only step = batch / its median seconds; start = LLM() (HF: model + "
+          "tokenizer), warm; RSS added over a process with torch and transformers imported; budget = "
+          "(weights + KV cache) x 1.25; llama.cpp: one request, its own Python API)")
