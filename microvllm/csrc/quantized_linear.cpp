@@ -10,26 +10,27 @@
 // (layers/quantization/gguf.py and int8.py draw the same layouts and dequantize them in
 // torch: the reference these kernels are checked against.)
 //
-// Threads split the output rows in groups of G = 16. For its group a thread first
-// dequantizes the 16 rows into a float32 scratch [16][K] (64·K bytes: L2), then every
-// 4 rows of x meet every 4 rows of W in a 4 x 4 tile of dot products, each kept in one
-// 16-lane register and summed across lanes at the end (all 16 at once: sum_lanes_16):
+// Threads split the output rows; the activations stay float32, so the result is F.linear
+// on the dequantized weights up to float rounding. Three shapes of the work, by rows of x:
 //
-//   scratch[16][K] <- dequantize(W[n0 .. n0+16])            once per group per call
-//   for m0 in 0, 4, ..:  for j0 in 0, 4, 8, 12:
-//       acc[r][c] (16 lanes) += x[m0+r, k:k+16] * scratch[j0+c, k:k+16]     k = 0, 16, ..
-//       y[m0+r, n0+j0+c] = sum of acc[r][c]'s lanes (+ bias)
+//   1-4 rows (decode, small batch)    small_batch_tile: 4 weight rows at a time, each block
+//                                     dequantized in registers and used at once; a 16-lane
+//                                     dot product per (x row, weight row), summed across lanes
+//                                     at the end, all 16 at once (sum_lanes_16)
+//   5 rows and more (larger batch)    linear_wide: 48 weight rows dequantized into a float32
+//                                     scratch (L2), x transposed once per call (64 rows at a
+//                                     time), and tiles that broadcast a weight against 16 rows
+//                                     of x per instruction
+//   without AVX-512                   groups of 16 weight rows dequantized into the scratch,
+//                                     then 4 x 4 tiles of dot products (plain loops where the
+//                                     CPU lacks AVX-512; the compiler vectorizes what it can)
 //
 // So the weights cross memory once per call, in their stored size (Q4_1: 5 bits per
-// weight instead of float32's 32), which is what a decode step is bound by, and the
-// activations stay float32: the result is F.linear on the dequantized weights up to
-// float rounding. (llama.cpp instead quantizes x to 8 bits too and multiplies integers,
-// e.g. with AVX-512 VNNI: faster arithmetic, but no longer the float model's result.)
-//
-// At batch 1-4 a thread skips the scratch: see small_batch_tile.
-// A CPU without AVX-512 runs the same loops written plainly (the compiler vectorizes what
-// it can). dequantize_rows is the first half alone: the prefill path (many rows of x)
-// dequantizes a weight into a temporary and hands it to oneDNN / MKL.
+// weight instead of float32's 32), which is what a decode step is bound by. (llama.cpp
+// instead quantizes x to 8 bits too and multiplies integers, e.g. with AVX-512 VNNI: faster
+// arithmetic, but no longer the float model's result.) dequantize_rows is the dequantization
+// alone: the prefill path (many rows of x) dequantizes a weight into a temporary and hands
+// it to oneDNN / MKL.
 
 #include "ops.h"   // this file's C entry points, declared once
 
@@ -79,20 +80,43 @@ int64_t row_bytes(int format, int K) {
     return format == Q4_1 ? int64_t(K) / QK * 20 : format == Q8_0 ? int64_t(K) / QK * 34 : K;
 }
 
+#ifdef __AVX512F__
+template <int FORMAT>
+inline void dequantize_block(const uint8_t* block, __m512& lo, __m512& hi) {
+    if (FORMAT == Q4_1) {
+        int32_t scales;
+        std::memcpy(&scales, block, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));           // [d, m, 0, 0]
+        const __m512 d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
+        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
+    } else if (FORMAT == INT8) {   // the row's scale is applied to the sum instead
+        const __m128i* q = reinterpret_cast<const __m128i*>(block);
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+    } else {   // Q8_0
+        const __m512 d = _mm512_set1_ps(fp16_to_float(block));
+        const __m128i* q = reinterpret_cast<const __m128i*>(block + 2);
+        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
+        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+    }
+}
+
+#endif
+
 // One row of W (K weights) -> K floats.
 void dequantize_row(int format, const uint8_t* row, float scale, float* out, int K) {
     if (format == Q4_1) {
         for (int b = 0; b < K / QK; ++b, row += 20, out += QK) {
+#ifdef __AVX512F__
+            __m512 lo, hi;
+            dequantize_block<Q4_1>(row, lo, hi);
+            _mm512_storeu_ps(out, lo);
+            _mm512_storeu_ps(out + 16, hi);
+#else
             const float d = fp16_to_float(row), m = fp16_to_float(row + 2);
             const uint8_t* qs = row + 4;
-#ifdef __AVX512F__
-            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-            const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0f));
-            const __m512i high = _mm512_srli_epi32(bytes, 4);
-            const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-            _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(low), vd), vm));
-            _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(high), vd), vm));
-#else
             for (int j = 0; j < 16; ++j) {
                 out[j] = d * float(qs[j] & 0x0f) + m;
                 out[j + 16] = d * float(qs[j] >> 4) + m;
@@ -101,15 +125,14 @@ void dequantize_row(int format, const uint8_t* row, float scale, float* out, int
         }
     } else if (format == Q8_0) {
         for (int b = 0; b < K / QK; ++b, row += 34, out += QK) {
+#ifdef __AVX512F__
+            __m512 lo, hi;
+            dequantize_block<Q8_0>(row, lo, hi);
+            _mm512_storeu_ps(out, lo);
+            _mm512_storeu_ps(out + 16, hi);
+#else
             const float d = fp16_to_float(row);
             const int8_t* qs = reinterpret_cast<const int8_t*>(row + 2);
-#ifdef __AVX512F__
-            const __m512 vd = _mm512_set1_ps(d);
-            for (int h = 0; h < 2; ++h) {
-                const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * h)));
-                _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(q), vd));
-            }
-#else
             for (int j = 0; j < QK; ++j) out[j] = d * float(qs[j]);
 #endif
         }
@@ -183,28 +206,6 @@ void tile(const float* x, const float* w, const float* bias, float* y, int K, in
 //
 //   for each block b of 32 inputs:  for c in 0..3:  w_lo, w_hi = dequantize(W[n + c], b)
 //                                                   acc[r][c] += x[r, b] * w  (r < ROWS)
-template <int FORMAT>
-inline void dequantize_block(const uint8_t* block, __m512& lo, __m512& hi) {
-    if (FORMAT == Q4_1) {
-        int32_t scales;
-        std::memcpy(&scales, block, 4);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));           // [d, m, 0, 0]
-        const __m512 d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
-        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
-        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
-    } else if (FORMAT == INT8) {   // the row's scale is applied to the sum instead
-        const __m128i* q = reinterpret_cast<const __m128i*>(block);
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-    } else {   // Q8_0
-        const __m512 d = _mm512_set1_ps(fp16_to_float(block));
-        const __m128i* q = reinterpret_cast<const __m128i*>(block + 2);
-        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
-        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
-    }
-}
-
 template <int FORMAT, int ROWS>
 void small_batch_tile(const float* x, const uint8_t* w, int64_t stride, const float* scales, const float* bias,
                       float* y, int K, int N) {
@@ -238,6 +239,77 @@ constexpr SmallTile SMALL_TILES[5] = {nullptr, small_batch_tile<FORMAT, 1>, smal
 constexpr int SMALL_BATCH = 4;   // rows of x up to which the small-batch tiles run
 #endif
 
+#ifdef __AVX512F__
+// 5-64 rows of x (a decode step at larger batch): the weights are the broadcast side and
+// x, transposed once per call, the vector side, so that no sum across lanes is needed and
+// a dequantized weight, read once from the scratch, meets 16 rows of x per instruction:
+//
+//   xT[k][0 .. 16·MV]  = x[0 .. M, k] (zero rows up to a multiple of 16)
+//   for n in the tile's NR rows:  acc[n][v] += broadcast(scratch[n][k]) * xT[k][16v .. 16v+16]
+//
+// NR x MV accumulators (24 of the 32 registers), MV + NR loads per NR·MV multiply-adds: the
+// same balance as the float32 kernel's 8 x 48 tiles (avx512_linear.cpp).
+template <int MV, int NR>
+void wide_tile(const float* xT, const float* scratch, int K, float* out) {
+    constexpr int MP = 16 * MV;
+    __m512 acc[NR][MV];
+    for (int n = 0; n < NR; ++n)
+        for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_setzero_ps();
+    for (int k = 0; k < K; ++k) {
+        __m512 a[MV];
+        for (int v = 0; v < MV; ++v) a[v] = _mm512_loadu_ps(xT + int64_t(k) * MP + 16 * v);
+        for (int n = 0; n < NR; ++n) {
+            const __m512 b = _mm512_set1_ps(scratch[int64_t(n) * K + k]);
+            for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(b, a[v], acc[n][v]);
+        }
+    }
+    for (int n = 0; n < NR; ++n)
+        for (int v = 0; v < MV; ++v) _mm512_storeu_ps(out + n * MP + 16 * v, acc[n][v]);
+}
+
+using WideTile = void (*)(const float*, const float*, int, float*);
+constexpr int WIDE_GROUP = 48;   // weight rows per thread work item (a multiple of every NR below)
+constexpr WideTile WIDE_TILES[5][2] = {{nullptr, nullptr}, {wide_tile<1, 24>, wide_tile<1, 4>},
+                                       {wide_tile<2, 12>, wide_tile<2, 4>}, {wide_tile<3, 8>, wide_tile<3, 4>},
+                                       {wide_tile<4, 6>, wide_tile<4, 4>}};
+constexpr int WIDE_ROWS[5] = {0, 24, 12, 8, 6};
+
+void linear_wide(int format, const float* x, const uint8_t* w, const float* scales, const float* bias,
+                 float* y, int M, int N, int K) {
+    const int64_t stride = row_bytes(format, K);
+    for (int m0 = 0; m0 < M; m0 += 64) {
+        const int rows_x = M - m0 < 64 ? M - m0 : 64, MV = (rows_x + 15) / 16, MP = 16 * MV;
+        std::vector<float> xT(int64_t(K) * MP, 0.f);
+        for (int r = 0; r < rows_x; ++r)
+            for (int k = 0; k < K; ++k) xT[int64_t(k) * MP + r] = x[int64_t(m0 + r) * K + k];
+        const int groups = (N + WIDE_GROUP - 1) / WIDE_GROUP;
+        #pragma omp parallel
+        {
+            std::vector<float> scratch(int64_t(WIDE_GROUP) * K);
+            alignas(64) float out[24 * 16];
+            #pragma omp for schedule(static)
+            for (int g = 0; g < groups; ++g) {
+                const int n0 = g * WIDE_GROUP, rows = N - n0 < WIDE_GROUP ? N - n0 : WIDE_GROUP;
+                for (int j = 0; j < rows; ++j)
+                    dequantize_row(format, w + (n0 + j) * stride, scales ? scales[n0 + j] : 1.f,
+                                   scratch.data() + int64_t(j) * K, K);
+                int full_tiles = rows / WIDE_ROWS[MV];   // then tiles of 4: rows is a multiple of 4
+                while ((rows - full_tiles * WIDE_ROWS[MV]) % 4) --full_tiles;
+                for (int n = 0, t = 0; n < rows; ++t) {
+                    const bool full = t < full_tiles;
+                    const int nr = full ? WIDE_ROWS[MV] : 4;
+                    WIDE_TILES[MV][full ? 0 : 1](xT.data(), scratch.data() + int64_t(n) * K, K, out);
+                    for (int j = 0; j < nr; ++j)
+                        for (int r = 0; r < rows_x; ++r)
+                            y[int64_t(m0 + r) * N + n0 + n + j] = out[j * MP + r] + (bias ? bias[n0 + n + j] : 0.f);
+                    n += nr;
+                }
+            }
+        }
+    }
+}
+#endif
+
 using Tile = void (*)(const float*, const float*, const float*, float*, int, int);
 constexpr Tile TILES[5] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>};
 
@@ -254,6 +326,8 @@ void linear(int format, const float* x, const uint8_t* w, const float* scales, c
             tile(x, w + n * stride, stride, scales ? scales + n : nullptr, bias ? bias + n : nullptr, y + n, K, N);
         return;
     }
+    linear_wide(format, x, w, scales, bias, y, M, N, K);
+    return;
 #endif
     #pragma omp parallel
     {
