@@ -105,6 +105,16 @@ inline void dequantize_block(const uint8_t* block, __m512& lo, __m512& hi) {
 
 #endif
 
+// Per-thread buffers kept between calls: a decode step makes ~120 calls, and a fresh
+// allocation of this size each time (mapped, zeroed, unmapped by malloc) cost more than
+// the arithmetic at batch 32.
+float* thread_buffer(int which, int64_t floats) {
+    thread_local std::vector<float> buffers[2];
+    std::vector<float>& buffer = buffers[which];
+    if (int64_t(buffer.size()) < floats) buffer.resize(floats);
+    return buffer.data();
+}
+
 // One row of W (K weights) -> K floats.
 void dequantize_row(int format, const uint8_t* row, float scale, float* out, int K) {
     if (format == Q4_1) {
@@ -279,26 +289,26 @@ void linear_wide(int format, const float* x, const uint8_t* w, const float* scal
     const int64_t stride = row_bytes(format, K);
     for (int m0 = 0; m0 < M; m0 += 64) {
         const int rows_x = M - m0 < 64 ? M - m0 : 64, MV = (rows_x + 15) / 16, MP = 16 * MV;
-        std::vector<float> xT(int64_t(K) * MP, 0.f);
-        for (int r = 0; r < rows_x; ++r)
-            for (int k = 0; k < K; ++k) xT[int64_t(k) * MP + r] = x[int64_t(m0 + r) * K + k];
+        float* xT = thread_buffer(0, int64_t(K) * MP);
+        for (int k = 0; k < K; ++k)
+            for (int r = 0; r < MP; ++r) xT[int64_t(k) * MP + r] = r < rows_x ? x[int64_t(m0 + r) * K + k] : 0.f;
         const int groups = (N + WIDE_GROUP - 1) / WIDE_GROUP;
         #pragma omp parallel
         {
-            std::vector<float> scratch(int64_t(WIDE_GROUP) * K);
+            float* scratch = thread_buffer(1, int64_t(WIDE_GROUP) * K);
             alignas(64) float out[24 * 16];
             #pragma omp for schedule(static)
             for (int g = 0; g < groups; ++g) {
                 const int n0 = g * WIDE_GROUP, rows = N - n0 < WIDE_GROUP ? N - n0 : WIDE_GROUP;
                 for (int j = 0; j < rows; ++j)
                     dequantize_row(format, w + (n0 + j) * stride, scales ? scales[n0 + j] : 1.f,
-                                   scratch.data() + int64_t(j) * K, K);
+                                   scratch + int64_t(j) * K, K);
                 int full_tiles = rows / WIDE_ROWS[MV];   // then tiles of 4: rows is a multiple of 4
                 while ((rows - full_tiles * WIDE_ROWS[MV]) % 4) --full_tiles;
                 for (int n = 0, t = 0; n < rows; ++t) {
                     const bool full = t < full_tiles;
                     const int nr = full ? WIDE_ROWS[MV] : 4;
-                    WIDE_TILES[MV][full ? 0 : 1](xT.data(), scratch.data() + int64_t(n) * K, K, out);
+                    WIDE_TILES[MV][full ? 0 : 1](xT, scratch + int64_t(n) * K, K, out);
                     for (int j = 0; j < nr; ++j)
                         for (int r = 0; r < rows_x; ++r)
                             y[int64_t(m0 + r) * N + n0 + n + j] = out[j * MP + r] + (bias ? bias[n0 + n + j] : 0.f);
@@ -331,17 +341,17 @@ void linear(int format, const float* x, const uint8_t* w, const float* scales, c
 #endif
     #pragma omp parallel
     {
-        std::vector<float> scratch(int64_t(G) * K);
+        float* scratch = thread_buffer(1, int64_t(G) * K);
         #pragma omp for schedule(static)
         for (int g = 0; g < groups; ++g) {
             const int n0 = g * G, rows = N - n0 < G ? N - n0 : G;   // a multiple of 4
             for (int j = 0; j < rows; ++j)
                 dequantize_row(format, w + (n0 + j) * stride, scales ? scales[n0 + j] : 1.f,
-                               scratch.data() + int64_t(j) * K, K);
+                               scratch + int64_t(j) * K, K);
             for (int m0 = 0; m0 < M; m0 += 4) {
                 const int m = M - m0 < 4 ? M - m0 : 4;
                 for (int j0 = 0; j0 < rows; j0 += 4)
-                    TILES[m](x + int64_t(m0) * K, scratch.data() + int64_t(j0) * K,
+                    TILES[m](x + int64_t(m0) * K, scratch + int64_t(j0) * K,
                              bias ? bias + n0 + j0 : nullptr, y + int64_t(m0) * N + n0 + j0, K, N);
             }
         }
