@@ -189,3 +189,19 @@ def bench_quantization(args) -> None:
     print("(tok/s of a decode-only step = batch / its median seconds; start = LLM() (HF: model + "
           "tokenizer), warm; RSS added over a process with torch and transformers imported; budget = "
           "(weights + KV cache) x 1.25; llama.cpp: one request, its own Python API)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bench throughput --workload quantization`` (the CLI routes it here): the options of
+    ``bench throughput`` that apply (--threads, --repeat, --decode-prompt-len, ...)."""
+    from microvllm.bench.throughput import parse_args
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--workload" not in argv:
+        argv += ["--workload", "quantization"]
+    bench_quantization(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -705,10 +705,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     from transformers.utils import logging as hf_logging
 
-    if args.workload == "quantization":
-        from microvllm.bench.quantized import bench_quantization
-        bench_quantization(args)
-        return 0
+    if args.workload == "quantization":   # bench/quantized.py, which uses this module's parts
+        raise ValueError("--workload quantization runs as `microvllm bench throughput --workload quantization` "
+                         "(or python -m microvllm.bench.quantized)")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if args.model is None:

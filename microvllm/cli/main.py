@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         return course_main(argv[1:])
     parser = build_parser()
     if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["attention"], ["gpu"]):
-        if argv[1] == "throughput":
+        if argv[1] == "throughput" and "quantization" in argv[2:]:   # --workload quantization
+            from microvllm.bench.quantized import main as bench_main
+        elif argv[1] == "throughput":
             from microvllm.bench.throughput import main as bench_main
         elif argv[1] == "serve":
             from microvllm.bench.serve import main as bench_main
