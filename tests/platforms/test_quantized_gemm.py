@@ -106,3 +106,24 @@ def test_the_plain_loop_version_matches_too(request, tmp_path):
         else:
             getattr(lib, f"{fmt.lower()}_linear")(x.data_ptr(), q.data_ptr(), None, y.data_ptr(), 5, 20, 96)
         close(y, F.linear(x, reference), 96)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [2, 40, 100], ids=["registers", "wide-tiles", "prefill-dequantize"])
+def test_quantized_linear_version_routes_every_size(request, rows):
+    """The platform's version of a quantized Linear: each row count takes its route and
+    matches forward_native (100 rows: dequantize into a temporary, then F.linear)."""
+    from microvllm.layers.linear import Linear
+    from microvllm.layers.quantization.gguf import GGUFLinearMethod
+
+    q, _, _ = quantized_case(request, "Q4_1", 64, 96)
+    linear = Linear(96, 64, bias=False)   # (bias: the kernel tests above)
+    linear.quant_method = GGUFLinearMethod("Q4_1")
+    linear.quant_method.create_weights(linear)
+    with torch.no_grad():
+        linear.weight.copy_(q)
+    version = quantized_gemm.quantized_linear_version(linear)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        close(version(x), linear.forward_native(x), 96)
+        assert version(x.to(torch.bfloat16)).dtype == torch.bfloat16   # other dtypes: forward_native

@@ -121,3 +121,10 @@ def test_quantization_option_is_checked_against_the_model(gguf_files, option, ma
 def test_gguf_quantization_needs_a_gguf_file(tiny_folder):
     with pytest.raises(ValueError, match="needs a .gguf file"):
         LLM(model=str(tiny_folder), quantization="gguf")
+
+
+def test_bfloat16_activations_run_the_torch_path(gguf_files):
+    llm = LLM(model=str(gguf_files["Q4_1"]), dtype="bfloat16")
+    runner = llm.engine.executor.worker.model_runner
+    assert runner.decode_step_runner is None   # the fast path's Q4_1 kernel takes float32 activations
+    assert all(len(t) == 12 for t in tokens(llm))
