@@ -14,6 +14,7 @@ from microvllm.layers.quantization.gguf import GGUFLinearMethod, dequantize
 from microvllm.models.default_model import convert_gguf
 from microvllm.models.tiny import make_tiny_model
 from microvllm.models.tiny_gguf import write_gguf
+from microvllm.platforms.cpu import decode_fast_path
 
 PROMPTS = [[5, 9, 33, 71], [300, 12], [7, 7, 7, 7, 7, 7, 200, 41, 90], [450]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -66,6 +67,9 @@ def test_native_gguf_matches_its_float_expansion(gguf_files, tmp_path, kind, enf
     assert model.embed_tokens.weight_type == "Q8_0"
     # F16 has no kernel of its own: dequantized in torch on both paths
     assert qkv.implementation == ("native" if enforce_eager or kind == "F16" else "QuantizedLinear")
+    fast_path = native.engine.executor.worker.model_runner.decode_step_runner
+    if not enforce_eager and kind != "F16" and decode_fast_path.unsupported_reason(model) is None:
+        assert fast_path is not None and fast_path.kind == f"{kind.lower()}_linear"   # decode steps in one C call
     got = tokens(native)
     convert_gguf(file, tmp_path / "expanded")   # transformers: the file dequantized to float32
     expected = tokens(LLM(model=str(tmp_path / "expanded"), enforce_eager=enforce_eager))
