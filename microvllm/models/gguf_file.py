@@ -23,6 +23,25 @@ from pathlib import Path
 
 import numpy as np
 
+# GGML type id -> (name, weights per block, bytes per block): the common ones, so that a load
+# needs no ``gguf`` import (tests/quantization check the table against gguf.GGML_QUANT_SIZES);
+# any other id is looked up in the ``gguf`` package.
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+              6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+              10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+              14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 30: ("BF16", 1, 2)}
+
+
+def ggml_type(kind: int) -> tuple[str, int, int]:
+    """``(name, weights per block, bytes per block)`` of GGML type id ``kind``."""
+    if kind in GGML_TYPES:
+        return GGML_TYPES[kind]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType(kind)
+    return (qtype.name, *GGML_QUANT_SIZES[qtype])
+
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 
@@ -39,8 +58,6 @@ class GGUFIndex:
     """The scalar metadata (``fields``) and tensors of a GGUF file."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         self.path = Path(path)
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -62,21 +79,20 @@ class GGUFIndex:
             (n_dims,) = self._unpack("<I")
             shape = self._unpack(f"<{n_dims}Q")
             kind, offset = self._unpack("<IQ")
-            infos.append((name, GGMLQuantizationType(kind), tuple(shape), offset))
+            infos.append((name, ggml_type(kind), tuple(shape), offset))
         alignment = int(self.fields.get("general.alignment", 32))   # type: ignore[call-overload]
         start = -(-self.offset // alignment) * alignment
         everything = np.frombuffer(buffer, dtype=np.uint8)
         self.tensors = []
-        for name, kind, shape, offset in infos:
-            block, size = GGML_QUANT_SIZES[kind]
+        for name, (type_name, block, size), shape, offset in infos:
             rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
             row_bytes = shape[0] // block * size
             raw = everything[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
-            if kind.name in ("F32", "F16"):
-                raw = raw.view(np.float32 if kind.name == "F32" else np.float16)
+            if type_name in ("F32", "F16"):
+                raw = raw.view(np.float32 if type_name == "F32" else np.float16)
             if len(shape) == 1:
                 raw = raw.reshape(-1)
-            self.tensors.append(GGUFTensor(name, kind.name, shape, raw))
+            self.tensors.append(GGUFTensor(name, type_name, shape, raw))
 
     def close(self) -> None:
         """Unmap the file (its pages stop counting as this process's memory); the tensors'

@@ -132,3 +132,28 @@ def test_bfloat16_activations_run_the_torch_path(gguf_files):
     runner = llm.engine.executor.worker.model_runner
     assert runner.decode_step_runner is None   # the fast path's Q4_1 kernel takes float32 activations
     assert all(len(t) == 12 for t in tokens(llm))
+
+
+def test_the_index_knows_the_ggml_types_as_the_gguf_package_does():
+    import gguf
+
+    from microvllm.models.gguf_file import GGML_TYPES
+
+    for kind, (name, block, size) in GGML_TYPES.items():
+        qtype = gguf.GGMLQuantizationType(kind)
+        assert (qtype.name, (block, size)) == (name, gguf.GGML_QUANT_SIZES[qtype])
+
+
+def test_the_index_reads_what_the_gguf_reader_reads(gguf_files):
+    import gguf
+
+    from microvllm.models.gguf_file import GGUFIndex
+
+    index, reader = GGUFIndex(gguf_files["Q4_1"]), gguf.GGUFReader(str(gguf_files["Q4_1"]))
+    assert index.fields["general.architecture"] == "llama"
+    assert index.fields["llama.attention.head_count_kv"] == 2
+    assert [(t.name, t.type_name, t.shape) for t in index.tensors] == \
+        [(t.name, t.tensor_type.name, tuple(int(n) for n in t.shape)) for t in reader.tensors]
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert np.array_equal(ours.data, theirs.data)
+    index.close()
