@@ -274,7 +274,8 @@ class Engine:
                     or isinstance(error, FATAL_ERRORS)):
                 raise
             return self._isolate_fault(plan, error)
-        core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids)
+        core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids,
+                                                         runner_output.spec_token_ids)
         if self.fault_isolation is not None:
             self.fault_isolation.passed(core.request_id for core in core_outputs)
         core_outputs = self._advance_grammars(core_outputs)

@@ -31,6 +31,7 @@ from microvllm.models.loader import load_model
 from microvllm.platforms import Platform
 from microvllm.sample.sampler import Sampler
 from microvllm.worker.block_table import BlockTable
+from microvllm.spec_decode.ngram_proposer import NgramProposer
 from microvllm.worker.model_runner import ModelRunner
 from microvllm.worker.profile_run import profile_run
 
@@ -86,8 +87,17 @@ class Worker:
             block_table_class=component(components, "block_table", BlockTable),
             decode_step_runner=self.platform.decode_step_runner(
                 self.model, max_num_seqs=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len),
-            device=self.platform.device)
+            device=self.platform.device, drafter=self._make_drafter(num_blocks))
         self.platform.process_weights_after_loading(self.model_runner.sampler)
+
+    def _make_drafter(self, num_blocks: int):
+        """The speculative config's proposer (None when speculative decoding is off)."""
+        config = self.config.speculative_config
+        if config is None:
+            return None
+        if config.method == "ngram":
+            return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+        raise NotImplementedError(f"speculative method {config.method!r}")
 
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)
