@@ -30,8 +30,8 @@ from microvllm.distributed.parallel_state import CommunicationStats, get_tp_grou
 from microvllm.models.loader import load_model
 from microvllm.platforms import Platform
 from microvllm.sample.sampler import Sampler
-from microvllm.worker.block_table import BlockTable
 from microvllm.spec_decode.ngram_proposer import NgramProposer
+from microvllm.worker.block_table import BlockTable
 from microvllm.worker.model_runner import ModelRunner
 from microvllm.worker.profile_run import profile_run
 
