@@ -92,6 +92,7 @@ class SpeculativeConfig:
             for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
+            assert isinstance(low, int) and isinstance(high, int)
             if low > high:
                 raise ValueError(f"speculative_config prompt_lookup_min={low} > prompt_lookup_max={high}: "
                                  "the shortest suffix looked up cannot be longer than the longest")

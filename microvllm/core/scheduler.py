@@ -364,10 +364,10 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in stopped]
             for request_id in stopped:
                 self._free_request(self.requests[request_id])
-        for request_id, drafts in (spec_token_ids or {}).items():
+        for request_id, new_drafts in (spec_token_ids or {}).items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
-                request.spec_token_ids = list(drafts)
+                request.spec_token_ids = list(new_drafts)
         return outputs
 
     # -------------------------------------------------------------- queries

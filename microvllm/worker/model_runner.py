@@ -278,6 +278,7 @@ class ModelRunner:
         min_tokens count, penalties and bad words see them), so the output follows exactly
         the distribution of decoding without drafts."""
         qsl = inputs.attn_metadata[0].query_start_loc_cpu
+        assert qsl is not None
         drafts = [list(plan.scheduled_spec_decode_tokens.get(s.req_id, ())) for s in sampled_states]
         for state, own in zip(sampled_states, drafts):   # the drafts are not tokens (yet)
             if own:
@@ -313,7 +314,7 @@ class ModelRunner:
             result.sampled_token_ids[state.req_id] = tokens
             n = state.sampling_params.logprobs
             if raw_logprobs is not None and n is not None:   # row first + i predicted token i
-                got = gather_logprobs(raw_logprobs[first:first + len(tokens)], metadata.max_num_logprobs,
+                got = gather_logprobs(raw_logprobs[first:first + len(tokens)], n,
                                       torch.tensor(tokens, device=logits.device))
                 ids, values, ranks = got.tolists()
                 result.logprobs[state.req_id] = LogprobsLists([r[:n + 1] for r in ids],

@@ -96,6 +96,7 @@ class Worker:
         if config is None:
             return None
         if config.method == "ngram":
+            assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
             return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
         raise NotImplementedError(f"speculative method {config.method!r}")
 
