@@ -150,11 +150,10 @@ class RejectionSampler(nn.Module):
         self.generator = shared_generator   # the sampler's: requests without a seed draw from it
 
     def forward(self, metadata: SpecDecodeMetadata, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
-                generators: list[torch.Generator | None], draft_probs: torch.Tensor | None = None,
-                sample_fn: Callable | None = None) -> torch.Tensor:
+                generators: list[torch.Generator | None], draft_probs: torch.Tensor | None = None) -> torch.Tensor:
         """-> [B, K + 1] int64 output tokens (PLACEHOLDER_TOKEN_ID-padded). ``generators``:
-        one per request (None: the shared one). ``sample_fn``: the function that keeps
-        tokens (default ``rejection_sample``; the course's exercise passes its own)."""
+        one per request (None: the shared one); ``draft_probs`` [B, K, V] from a drafter
+        that samples, None for drafts given as tokens only."""
         num_drafts = metadata.num_draft_tokens
         batch_size, max_drafts = metadata.draft_token_ids.shape
         if logits.shape[0] != sum(num_drafts) + batch_size:
@@ -188,8 +187,8 @@ class RejectionSampler(nn.Module):
                 return probs.argmax(dim=-1)
             return torch.where(is_greedy, probs.argmax(dim=-1), random_sample(probs, seeded, self.generator))
 
-        return (sample_fn or rejection_sample)(metadata.draft_token_ids, torch.tensor(num_drafts, device=logits.device),
-                                               target_probs, draft_probs, uniform, draw)
+        return rejection_sample(metadata.draft_token_ids, torch.tensor(num_drafts, device=logits.device),
+                                target_probs, draft_probs, uniform, draw)
 
     @staticmethod
     def target_probs(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:

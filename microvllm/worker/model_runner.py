@@ -94,7 +94,7 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
                  seed: int, sampler_class: type[Sampler] = Sampler,
                  block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None, device="cpu",
-                 drafter=None):
+                 drafter=None, rejection_sampler_class: type[RejectionSampler] = RejectionSampler):
         # Where the model and its inputs are, with its index ("cuda:0") as tensors and
         # generators report theirs.
         self.model, self.device = model, torch.empty(0, device=device).device
@@ -112,7 +112,7 @@ class ModelRunner:
         # Speculative decoding (None: off): proposes each request's next drafts after it
         # samples (spec_decode/); the rejection sampler checks them at the next step.
         self.drafter = drafter
-        self.rejection_sampler = RejectionSampler(self.sampler.generator)
+        self.rejection_sampler = rejection_sampler_class(self.sampler.generator)
         max_blocks = -(-max_model_len // block_size)
         self.block_tables = [block_table_class(max_num_seqs, max_blocks, block_size)
                              for _ in range(model.layout.num_groups)]

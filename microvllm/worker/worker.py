@@ -29,6 +29,7 @@ from microvllm.config.components import component
 from microvllm.distributed.parallel_state import CommunicationStats, get_tp_group
 from microvllm.models.loader import load_model
 from microvllm.platforms import Platform
+from microvllm.sample.rejection_sampler import RejectionSampler
 from microvllm.sample.sampler import Sampler
 from microvllm.spec_decode.ngram_proposer import NgramProposer
 from microvllm.worker.block_table import BlockTable
@@ -87,7 +88,8 @@ class Worker:
             block_table_class=component(components, "block_table", BlockTable),
             decode_step_runner=self.platform.decode_step_runner(
                 self.model, max_num_seqs=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len),
-            device=self.platform.device, drafter=self._make_drafter(num_blocks))
+            device=self.platform.device, drafter=self._make_drafter(num_blocks),
+            rejection_sampler_class=component(components, "rejection_sampler", RejectionSampler))
         self.platform.process_weights_after_loading(self.model_runner.sampler)
 
     def _make_drafter(self, num_blocks: int):
