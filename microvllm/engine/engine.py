@@ -100,7 +100,9 @@ class Engine:
         # component(): the class given in components (an exercise's), else the engine's.
         self.kv_cache_manager = component(components, "kv_cache_manager", KVCacheManager)(
             specs, self.num_kv_blocks, block_size, enable_caching=cache_config.enable_prefix_caching,
-            block_pool_class=component(components, "block_pool", BlockPool))
+            block_pool_class=component(components, "block_pool", BlockPool),
+            num_lookahead_tokens=config.speculative_config.num_lookahead_tokens if config.speculative_config else 0,
+            max_model_len=config.scheduler_config.max_model_len)
         self.scheduler = component(components, "scheduler", Scheduler)(config.scheduler_config,
                                                                          self.kv_cache_manager)
         self.structured_output_manager = StructuredOutputManager(

@@ -25,6 +25,9 @@ class NgramProposer:
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.k = num_speculative_tokens
 
+    def after_target_forward(self, inputs) -> None:
+        """Nothing to do: the drafts come from the tokens alone (a draft model catches up here)."""
+
     def propose(self, runner, states, max_drafts: list[int]) -> list[list[int]]:
         """Drafts for each request that just sampled (``states``: the runner's
         ``CachedRequestState``; ``max_drafts``: the most each may get). The model runner

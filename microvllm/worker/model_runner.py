@@ -226,6 +226,8 @@ class ModelRunner:
         req_ids, states = inputs.req_ids, inputs.states
         self._make_generators_on_device(states)
         hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if self.drafter is not None:   # a draft model computes the same positions' KV
+            self.drafter.after_target_forward(inputs)
         prompt_logprobs = self._prompt_logprobs(req_ids, states, hidden, inputs.attn_metadata[0], plan)
         for state, req_id in zip(states, req_ids):
             state.num_computed_tokens += plan.num_scheduled_tokens[req_id]
