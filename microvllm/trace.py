@@ -72,6 +72,10 @@ class RequestStep:
     num_prompt_tokens: int
     prefix_hit_tokens: int | None = None
     is_new: bool = False
+    # Speculative decoding: draft tokens among num_scheduled_tokens (checked after the
+    # newest token), and how many of them the target accepted (None: no drafts).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int | None = None
 
 
 @dataclass

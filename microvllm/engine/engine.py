@@ -287,7 +287,8 @@ class Engine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._forget_finished_grammars()
         if self.tracer is not None:
-            self.tracer.record(plan, traced, core_outputs, stopped)
+            self.tracer.record(plan, traced, core_outputs, stopped,
+                               sampled_token_ids=runner_output.sampled_token_ids)
         if self.debug_invariants:
             self.check_invariants()
         self.num_steps += 1
