@@ -201,3 +201,38 @@ def test_default_model(default_model_folder, method):
     for prompt, out in zip(prompts, outs):
         assert tuple(out.outputs[0].token_ids) == hf_greedy(str(default_model_folder), tuple(prompt), MAX_TOKENS)
     assert llm.engine.scheduler.spec_decoding_stats.num_accepted_tokens > 0
+
+
+def test_command_line_and_prometheus(tiny_models):
+    """``--speculative-config '<json>'`` on generate / serve; /metrics has the counters, and
+    ``bench serve`` reads them back."""
+    import argparse
+
+    from microvllm.bench.serve import spec_decode_counters
+    from microvllm.core.spec_decode_stats import SpecDecodingStats
+    from microvllm.engine.arg_utils import EngineArgs
+    from microvllm.engine.metrics import ServingMetrics
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert EngineArgs.from_cli_args(args).speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+
+    stats = SpecDecodingStats()
+    stats.observe(3, 2)
+    stats.observe(3, 0)
+    metrics = ServingMetrics()
+    metrics.set_spec_decoding(stats)
+    text = metrics.render("m")
+    assert 'microvllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1' in text
+
+    class Reply:
+        def __init__(self, text):
+            self.text = text
+
+    import httpx
+    original = httpx.get
+    httpx.get = lambda url, timeout: Reply(text)
+    try:
+        assert spec_decode_counters("http://x") == (2, 6, 2)
+    finally:
+        httpx.get = original
