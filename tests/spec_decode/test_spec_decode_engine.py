@@ -203,7 +203,7 @@ def test_default_model(default_model_folder, method):
     assert llm.engine.scheduler.spec_decoding_stats.num_accepted_tokens > 0
 
 
-def test_command_line_and_prometheus(tiny_models):
+def test_command_line_and_prometheus(monkeypatch):
     """``--speculative-config '<json>'`` on generate / serve; /metrics has the counters, and
     ``bench serve`` reads them back."""
     import argparse
@@ -230,9 +230,5 @@ def test_command_line_and_prometheus(tiny_models):
             self.text = text
 
     import httpx
-    original = httpx.get
-    httpx.get = lambda url, timeout: Reply(text)
-    try:
-        assert spec_decode_counters("http://x") == (2, 6, 2)
-    finally:
-        httpx.get = original
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: Reply(text))
+    assert spec_decode_counters("http://x") == (2, 6, 2)
