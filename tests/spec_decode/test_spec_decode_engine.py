@@ -94,6 +94,14 @@ def test_max_tokens_stop_and_n(tiny_models, draft_folder):
         got = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+        # A stop string: the detokenizer finds it inside a step's several new tokens.
+        text = ref.outputs[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        params = SamplingParams(temperature=0.0, max_tokens=30, stop=[stop], ignore_eos=True)
+        got = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+        assert want.finish_reason == "stop" and len(want.text) < len(text)
     assert spec.engine.scheduler.spec_decoding_stats.num_accepted_tokens > 0
 
 
