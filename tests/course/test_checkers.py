@@ -277,7 +277,7 @@ def test_rejection_sampler_checker():
     bugs = rejection_mutants()
     expected = {
         "accepts everything": r"greedy row 1: drafts \[5, 2, 7\].*expected: \[5, 3, -1, -1\].*stop at the first draft",
-        "forgets the bonus token": r"greedy row 0.*got: +\[5, 2, 7, -1\].*hint: +when all .* drafts are accepted.*bonus",
+        "forgets the bonus token": r"greedy row 0.*got: +\[5, 2, 7, -1\].*hint: +when all .* accepted.*bonus",
         "residual not normalized": r"expected: \[0\.75, 0\.25, 0\.0, 0\.0\].*divide by the sum",
         "q/p instead of p/q": r"must be rejected: min\(1, p/q\) = 0\.25.*\(p/q, not q/p\)",
     }
