@@ -35,6 +35,10 @@ SPEC_HINTS = [
                                       "the first rejection, or the bonus token when all were kept (a row with no "
                                       "drafts too: its bonus position is 0)"),
 ]
+HINT_DRAFT_AGAIN = ("where the reference rejected a draft, your token is that draft itself: either you kept it "
+                    "(then one more token must follow it), or you drew it as the replacement: the residual "
+                    "max(0, p - q) is 0 at the rejected draft (n-gram drafts: q is one-hot at d, so the residual "
+                    "is p with d removed, renormalized)")
 HINT_GREEDY = ("a greedy request's target is one-hot at its argmax and its uniform is 0: keep drafts while "
                "they are the argmax, then the argmax")
 
@@ -73,7 +77,12 @@ def first_spec_difference(reference, yours, spec: dict, prompt_token_ids: dict[s
                  + (f" {drafts}" if drafts else "") + ", and got other tokens than the reference",
                  f"  reference: {_kept(want, drafts)}", f"  yours:     {_kept(got, drafts)}"]
         ref_kept, your_kept = _num_kept(want, drafts), _num_kept(got, drafts)
-        if your_kept > ref_kept:
+        last = len(want) - 1
+        if len(got) == len(want) and got[:last] == want[:last] and last < len(drafts) and got[last] == drafts[last]:
+            hint = HINT_DRAFT_AGAIN
+        elif len(got) == len(want) and got[:last] == want[:last]:
+            hint = HINT_GREEDY if rid in greedy else HINT_NEXT
+        elif your_kept > ref_kept:
             hint = HINT_ACCEPT_MORE
         elif your_kept < ref_kept:
             hint = HINT_ACCEPT_FEWER
