@@ -24,7 +24,20 @@ from microvllm.sample.topk_topp_sampler import apply_min_p, apply_top_k, apply_t
 from microvllm.sampling_params import SAMPLING_EPS
 from microvllm.checks import check_rejection_sampler, run_engine_with
 """,
-    parts=(Part(residual_probs), Part(rejection_sample),
+    parts=(Part(residual_probs, intro="""What a rejected position's token is drawn from. Worked by hand on
+4 tokens: p = [0.4, 0.3, 0.2, 0.1] (target), q = [0.1, 0.2, 0.3, 0.4] (drafter); p − q = [0.3, 0.1,
+−0.1, −0.3]; clamped [0.3, 0.1, 0, 0]; normalized [0.75, 0.25, 0, 0]. The tokens the drafter
+over-rates get nothing: they were already proposed too often."""),
+           Part(rejection_sample, intro="""One forward of the target over a request's last token t and its
+drafts gives the target's distribution at every draft, and one more:
+
+    input to the target    t     d1    d2    d3          (k = 3 drafts)
+    target's distribution  p1    p2    p3    p4          p_j predicts the token after
+    compared with          d1    d2    d3    (bonus)
+
+Walk left to right: keep d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection
+draw one token from the residual and stop; if all are kept, draw the bonus from p4. In the batch,
+row b has `num_draft_tokens[b]` drafts (0 to K) and its bonus position is `num_draft_tokens[b]`."""),
            Part(RejectionSampler, intro="""The engine's module around your function: it turns the target's
 logits at every draft position into distributions (temperature, top-k, top-p, min-p; one-hot at the
 argmax for greedy requests), draws the uniforms (a seeded request from its own generator), scatters
