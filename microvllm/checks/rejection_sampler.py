@@ -98,9 +98,14 @@ def _one_hot_rows(argmax: list[list[int]], vocab: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(argmax), vocab).float()
 
 
-def _call(rejection_sample, drafts, num_drafts, target_probs, draft_probs, uniform, sample) -> torch.Tensor:
+def _call(rejection_sample, drafts, num_drafts, target_probs, draft_probs, uniform, sample: _Sampler) -> torch.Tensor:
     out = rejection_sample(drafts, num_drafts, target_probs, draft_probs, uniform, sample)
     batch, k = drafts.shape
+    expect(sample.calls == 1, f"rejection_sample must call sample() exactly once; it called it {sample.calls} times",
+           input=f"{batch} rows, K = {k}",
+           hint="build next_probs [B, V] (each row's bonus or residual distribution) and call sample(next_probs) "
+                "once: the engine's sample draws every row at once, a seeded request from its own generator, "
+                "so calling it per row or twice changes which numbers each request draws")
     expect(isinstance(out, torch.Tensor) and tuple(out.shape) == (batch, k + 1),
            "rejection_sample must return a [B, K + 1] tensor of token ids",
            expected=f"shape ({batch}, {k + 1})", got=f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}",

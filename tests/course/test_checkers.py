@@ -291,6 +291,12 @@ def test_rejection_sampler_checker():
         result = checks.check_rejection_sampler(*bugs[name], quiet=True)
         assert [c.status for c in result.cases[-2:]] == ["fail", "fail"], (name, result.report())
 
+    def draws_twice(drafts, num, target, q, uniform, sample):   # e.g. the bonus and the residual apart
+        sample(target[:, 0])
+        return rejection_sample(drafts, num, target, q, uniform, sample)
+    caught(checks.check_rejection_sampler(draws_twice, residual_probs, quiet=True),
+           r"must call sample\(\) exactly once; it called it 2 times")
+
     def todo_sample(*args):
         raise NotImplementedError("rejection_sample: accept, then one more token")
     todo(checks.check_rejection_sampler(todo_sample, residual_probs, quiet=True))
