@@ -240,3 +240,26 @@ def test_command_line_and_prometheus(monkeypatch):
     import httpx
     monkeypatch.setattr(httpx, "get", lambda url, timeout: Reply(text))
     assert spec_decode_counters("http://x") == (2, 6, 2)
+
+
+def test_structured_requests_beside_speculative_ones(tiny_models, draft_folder):
+    """A request under a grammar gets no drafts (they would need the grammar too) and is
+    sampled as without speculative decoding; the others in the batch still draft."""
+    import re
+
+    from microvllm.sampling_params import StructuredOutputsParams
+
+    folder = str(tiny_models["llama"])
+    prompts = [{"prompt_token_ids": p} for p in self_repeating_prompts(seed=10)[:4]]
+    constrained = SamplingParams(temperature=0.0, max_tokens=40,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-c]{3}-[0-9]{4}"))
+    params = [constrained, GREEDY, constrained, GREEDY]
+    plain = LLM(folder, max_model_len=256, structured_outputs_backend="course")
+    spec = LLM(folder, max_model_len=256, structured_outputs_backend="course", trace=True,
+               speculative_config=spec_configs(draft_folder)["ngram"])
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert re.fullmatch("[a-c]{3}-[0-9]{4}", got[0].outputs[0].text)
+    drafted = {s.request_id for step in spec.trace for s in step.scheduled if s.num_draft_tokens}
+    assert drafted and not drafted & {got[0].request_id, got[2].request_id}
