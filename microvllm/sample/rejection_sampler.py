@@ -171,19 +171,21 @@ class RejectionSampler(nn.Module):
         target_probs[:, :, 0] += (target_probs.sum(-1) == 0).to(target_probs.dtype)
 
         is_greedy = sampling_metadata.temperature[starts] < SAMPLING_EPS   # [B]
+        greedy_rows = set(torch.nonzero(is_greedy).flatten().tolist())
+        # A seeded request draws from its own generator (its tokens then depend on its
+        # seed only); the others share one draw. The only loop: over seeded rows.
+        seeded = {b: g for b, g in enumerate(generators) if g is not None and b not in greedy_rows}
         uniform = torch.zeros(batch_size, max_drafts, device=logits.device)
-        if max_drafts and not bool(is_greedy.all()):
-            # Greedy rows keep 0: accepted exactly when p(d) = 1, i.e. d is the argmax.
-            shared = torch.rand(batch_size, max_drafts, generator=self.generator, device=logits.device)
-            for b, generator in enumerate(generators):
-                if not bool(is_greedy[b]):
-                    uniform[b] = shared[b] if generator is None else \
-                        torch.rand(max_drafts, generator=generator, device=logits.device)
-        seeded = {b: g for b, g in enumerate(generators) if g is not None and not bool(is_greedy[b])}
+        if max_drafts and len(greedy_rows) < batch_size:
+            uniform = torch.rand(batch_size, max_drafts, generator=self.generator, device=logits.device)
+            for b, generator in seeded.items():
+                uniform[b] = torch.rand(max_drafts, generator=generator, device=logits.device)
+            # Greedy rows get 0: accepted exactly when p(d) = 1, i.e. d is the argmax.
+            uniform = uniform.masked_fill(is_greedy.unsqueeze(1), 0.0)
 
         def draw(probs: torch.Tensor) -> torch.Tensor:
             # Greedy rows' distributions are one-hot: their argmax is the token.
-            if bool(is_greedy.all()):
+            if len(greedy_rows) == batch_size:
                 return probs.argmax(dim=-1)
             return torch.where(is_greedy, probs.argmax(dim=-1), random_sample(probs, seeded, self.generator))
 
