@@ -5,5 +5,7 @@ sampler, which decides what is kept, lives beside the sampler (``sample/rejectio
     ngram_proposer.py   prompt lookup over the request's own tokens
     draft_model.py      a smaller model (its own KV cache), or the target's first layers
                         (layer_skip: shares the target's KV cache)
-    metrics.py          drafts, draft tokens and accepted tokens per position
+
+The counts of drafts and accepted drafts per position live with the scheduler, which rolls
+rejected drafts back (``core/spec_decode_stats.py``).
 """
