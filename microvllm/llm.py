@@ -196,6 +196,13 @@ class LLM:
             return SamplingParams()
         return default_sampling_params(self.engine.model_path if source == "auto" else Path(source))
 
+    def get_metrics(self):
+        """A snapshot of the engine's metrics (vLLM's ``LLM.get_metrics``): gauges of the
+        queues and the KV cache, and with speculative decoding the counters of drafts and
+        accepted drafts (``Counter`` / ``Vector`` with ``.name`` and ``.value(s)``)."""
+        from microvllm.engine.metrics import engine_metrics
+        return engine_metrics(self.engine)
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prompt block (e.g. before timing a run). False while
         requests hold blocks, unless ``reset_running_requests`` preempts them first."""

@@ -72,6 +72,10 @@ class RequestStep:
     num_prompt_tokens: int
     prefix_hit_tokens: int | None = None
     is_new: bool = False
+    # Speculative decoding: draft tokens among num_scheduled_tokens (checked after the
+    # newest token), and how many of them the target accepted (None: no drafts).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int | None = None
 
 
 @dataclass
@@ -268,9 +272,13 @@ class Trace:
             if len(s.scheduled) > s.max_num_seqs:
                 raise ValueError(f"{where}: {len(s.scheduled)} requests scheduled, over max_num_seqs={s.max_num_seqs}")
             for r in s.scheduled:
-                if r.kind == "decode" and r.num_scheduled_tokens != 1:
+                if r.kind == "decode" and r.num_scheduled_tokens - r.num_draft_tokens != 1:
                     raise ValueError(f"{where}: request {r.request_id!r} is a decode of "
-                                     f"{r.num_scheduled_tokens} tokens; a decode computes exactly 1")
+                                     f"{r.num_scheduled_tokens - r.num_draft_tokens} tokens (+ "
+                                     f"{r.num_draft_tokens} drafts); a decode computes exactly 1")
+                if r.num_accepted_tokens is not None and not 0 <= r.num_accepted_tokens <= r.num_draft_tokens:
+                    raise ValueError(f"{where}: request {r.request_id!r} accepted {r.num_accepted_tokens} "
+                                     f"of {r.num_draft_tokens} drafts")
 
 
 class TraceSink:

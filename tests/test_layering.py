@@ -7,7 +7,8 @@ A learner reads the package bottom-up; each layer may use only the ones below it
       detokenizer core distributed profiler
     attention layers                         attention backends, the model's building blocks
     config                                   EngineConfig and its parts (knows backend names)
-    models sample                            the models, the loader, the sampler
+    models sample structured_output          the models, the loader, the sampler, grammars,
+      spec_decode                            speculative decoding's proposers
     platforms                                the hardware: ops' fast versions, C++ kernels
     worker  <  executor  <  engine  <  llm   the request's path, top-down
     entrypoints                              the OpenAI-compatible server (over engine.async_llm)
@@ -29,7 +30,7 @@ LAYERS = [
      "distributed", "profiler"},
     {"attention", "layers"},
     {"config"},
-    {"models", "sample", "structured_output"},
+    {"models", "sample", "structured_output", "spec_decode"},
     {"platforms"},
     {"worker"},
     {"executor"},

@@ -16,6 +16,11 @@ sees every token arrive::
 Prompts are random token ids (``--input-len`` of them, ids 100..499, valid in any
 vocabulary of 512 or more), so every prompt is different and the prefix cache does
 not help; ``ignore_eos`` makes each request generate exactly ``--output-len`` tokens.
+``--dataset-name copy`` / ``chat`` send chat requests instead (``/v1/chat/completions``,
+greedy, up to ``--output-len`` tokens): asking the model to repeat a given text, or open
+questions — the workloads where speculative decoding wins and loses. Speculative decoding
+is the server's setting (``microvllm serve --speculative-config '<json>'``); when the
+server does it, the report adds its acceptance over the run, read from ``/metrics``.
 """
 
 from __future__ import annotations
@@ -54,9 +59,17 @@ def random_prompts(num: int, input_len: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 500) for _ in range(input_len)] for _ in range(num)]
 
 
+def chat_requests(dataset: str, num: int) -> list[list[dict]]:
+    """``num`` conversations of the copy or chat workload (``bench/spec_decode.py``), cycled."""
+    from microvllm.bench.spec_decode import workloads
+
+    conversations = workloads()[dataset]
+    return [conversations[i % len(conversations)] for i in range(num)]
+
+
 async def send_one(client, url: str, payload: dict) -> RequestResult:
     """Stream one completion; time the first token and every later one."""
-    result = RequestResult(prompt_len=len(payload["prompt"]))
+    result = RequestResult(prompt_len=len(payload.get("prompt", ())))
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=payload) as response:
@@ -87,13 +100,15 @@ async def send_one(client, url: str, payload: dict) -> RequestResult:
     return result
 
 
-async def benchmark(base_url: str, model: str, prompts: list[list[int]], output_len: int,
+async def benchmark(base_url: str, model: str, prompts: list, output_len: int,
                     request_rate: float, seed: int = 0, max_concurrency: int | None = None,
                     timeout: float = 600.0) -> dict:
-    """Send ``prompts`` with Poisson arrivals; return the summary (and per-request lists)."""
+    """Send ``prompts`` (token id lists, or chat conversations) with Poisson arrivals;
+    return the summary (and per-request lists)."""
     import httpx
 
-    url = base_url.rstrip("/") + "/v1/completions"
+    chat = bool(prompts) and isinstance(prompts[0][0], dict)
+    url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     gaps = poisson_gaps(len(prompts), request_rate, seed)
 
@@ -109,8 +124,9 @@ async def benchmark(base_url: str, model: str, prompts: list[list[int]], output_
         tasks = []
         for prompt, gap in zip(prompts, gaps):
             await asyncio.sleep(gap)
-            payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            payload = {"model": model, "max_tokens": output_len, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}}
+            payload.update({"messages": prompt} if chat else {"prompt": prompt, "ignore_eos": True})
             tasks.append(asyncio.create_task(limited(client, payload)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
@@ -138,6 +154,25 @@ def summarize(results: list[RequestResult], duration: float, request_rate: float
     summary["ttfts"], summary["itls"] = ttfts, itls
     summary["output_lens"] = [r.output_tokens for r in results]
     return summary
+
+
+def spec_decode_counters(base_url: str) -> tuple[int, int, int] | None:
+    """(drafts, draft tokens, accepted tokens) from the server's ``/metrics``; None when it
+    does no speculative decoding (or has no /metrics)."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if line.startswith(f"microvllm:spec_decode_{name}_total{{"):
+                values[name] = int(float(line.rsplit(" ", 1)[1]))
+    if len(values) < 3:
+        return None
+    return values["num_drafts"], values["num_draft_tokens"], values["num_accepted_tokens"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -194,9 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="default: the server's one model (/v1/models)")
     parser.add_argument("--num-prompts", type=_positive_int, default=64)
     # vLLM's spellings (--dataset-name random --random-input-len N) work too.
-    parser.add_argument("--dataset-name", choices=["random"], default="random",
-                        help="where prompts come from: random token sequences (vLLM's other datasets "
-                             "need downloads, which this benchmark never makes)")
+    parser.add_argument("--dataset-name", choices=["random", "copy", "chat"], default="random",
+                        help="where prompts come from: random token sequences; copy (repeat a given "
+                             "text) or chat (open questions), sent as chat requests (vLLM's other "
+                             "datasets need downloads, which this benchmark never makes)")
     parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=_positive_int, default=32,
                         help="prompt tokens per request")
     parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=_positive_int,
@@ -219,10 +255,20 @@ def main(argv: list[str]) -> int:
     model = args.model
     if model is None:
         model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    prompts = random_prompts(args.num_prompts, args.input_len, args.seed)
+    prompts: list = (random_prompts(args.num_prompts, args.input_len, args.seed) if args.dataset_name == "random"
+                     else chat_requests(args.dataset_name, args.num_prompts))
+    before = spec_decode_counters(base_url)
     summary = asyncio.run(benchmark(base_url, model, prompts, args.output_len, args.request_rate,
                                     args.seed, args.max_concurrency, args.timeout))
+    after = spec_decode_counters(base_url)
+    if before is not None and after is not None:
+        drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
+        summary["spec_decode_acceptance_rate"] = accepted / draft_tokens if draft_tokens else 0.0
+        summary["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
     print(format_table(summary))
+    if "spec_decode_acceptance_rate" in summary:
+        print(f"speculative decoding on the server: {summary['spec_decode_acceptance_rate']:.0%} of drafts "
+              f"accepted, {summary['spec_decode_mean_acceptance_length']:.2f} tokens per step with drafts")
     if summary["errors"]:
         print("errors:", *summary["errors"], sep="\n  ", file=sys.stderr)
     if args.output_json:

@@ -628,9 +628,17 @@ def parse_args(argv):
     parser.add_argument("--model", default=None,
                         help="a Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--workload", default="all", choices=["random", "prefix", "all", "quantization"],
-                        help="quantization: the embedded model as f32 / int8 / Q4_1 side by side "
-                             "(bench/quantized.py); all = random + prefix")
+    parser.add_argument("--workload", default=None, choices=["random", "prefix", "all", "spec", "quantization"],
+                        help="all (random + prefix); spec: with and without --speculative-config "
+                             "(the default when it is given); quantization: the embedded model as f32 / "
+                             "int8 / Q4_1 side by side (bench/quantized.py)")
+    parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                        help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\': compare decoding '
+                             "with and without it (bench/spec_decode.py)")
+    parser.add_argument("--spec-batches", type=_int_list, default=[1, 8], metavar="B1,B2",
+                        help="batch sizes of the speculative comparison (1,8)")
+    parser.add_argument("--spec-output-len", type=_positive, default=128, metavar="N",
+                        help="most tokens per request in the speculative comparison (128)")
     parser.add_argument("--quick", action="store_true",
                         help="a small version for CI: 4 short requests, no HF one-at-a-time")
     parser.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int,
@@ -672,6 +680,10 @@ def parse_args(argv):
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps at the largest decode batch (torch ops, Python)")
     args = parser.parse_args(argv)
+    if args.workload is None:
+        args.workload = "spec" if args.speculative_config is not None else "all"
+    if args.workload == "spec" and args.speculative_config is None:
+        parser.error("--workload spec compares with and without --speculative-config: give one")
     if args.input_len is not None:
         args.prompt_lens = args.prompt_lens or (args.input_len, args.input_len)
     if args.output_len is not None:
@@ -716,6 +728,13 @@ def _run(args) -> int:
     else:
         model_path = Path(args.model).expanduser()
     dtype = getattr(torch, args.dtype)
+    if args.workload == "spec":
+        from microvllm.bench.spec_decode import bench_speculative
+
+        print(f"microvllm bench throughput: {model_path.name}, {args.dtype}, torch {torch.__version__} "
+              f"on {torch.get_num_threads()} threads; cpu: {cpu_description()}")
+        bench_speculative(args, model_path)
+        return 0
     cost = ModelCost.from_folder(model_path, dtype)
 
     flop_rate = matmul_rate(dtype, n=args.matmul_size)

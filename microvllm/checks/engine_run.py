@@ -21,6 +21,8 @@ with the engine's own (the reference), same settings, same seeds — and prints 
                            temperature, top-k, top-p, min-p          same tokens from the same logits)
     token_trie             5 prompts, each under a regex (the        the tokens, and each text matches its
                            course backend), greedy and seeded        regex (or can still, if cut by max_tokens)
+    rejection_sampler      6 self-repeating prompts, n-gram drafts,  the tokens, and at every step the drafts
+                           greedy and seeded                         kept and the token after them
     anything else          4 prompts, greedy                         the tokens (and the text: detokenizer)
 
 Every run also checks the engine's invariants after each step (``check_invariants``).
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from microvllm.checks.engine_outputs import compare_samples, compare_streams
+from microvllm.checks.engine_spec import SPEC_HINTS, first_spec_difference
 from microvllm.checks.engine_steps import (
     HINT_HITS,
     HINT_HITS_MANAGER,
@@ -255,7 +258,18 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
         wrong = [reference.samples(r) != yours.samples(r) for r in ids]
         say(f"    hint: {sampling_hint(workload.params, wrong)}")
     difference = None
-    if workload.steps:
+    if "speculative_config" in settings and settings["speculative_config"].get("method") == "ngram":
+        prompt_ids = {r: list(out.prompt_token_ids) for r, out in reference.outputs.items()}
+        greedy_ids = {r for r, p in zip(ids, workload.params) if p.get("temperature", 1.0) == 0.0}
+        difference = first_spec_difference(reference, yours, settings["speculative_config"], prompt_ids, greedy_ids)
+        if difference is None:
+            say("  ✓ every step kept the reference's drafts and drew the same token after them")
+        else:
+            step_lines, hint = difference
+            say("  ✗ " + step_lines[0])
+            lines.extend("    " + line for line in step_lines[1:])
+            say(f"    hint: {hint}")
+    elif workload.steps:
         difference = first_difference(reference.trace, yours.trace, who=who, blocks=workload.blocks,
                                       hits_hint=hits_hint)
         if difference is None:
@@ -272,7 +286,8 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     if ok:
         say("✓ Same " + ("tokens and text" if compare_text else "greedy tokens" if greedy else "tokens")
             + " as the reference engine for every prompt" + (", and the same decisions at every step"
-                                                              if workload.steps else "")
+                                                              if workload.steps or "speculative_config" in settings
+                                                              else "")
             + ": your code runs the real engine.")
     elif not same:
         say("✗ Your code changed what the engine generates: compare the lines above, then rerun the checker.")
@@ -340,7 +355,8 @@ def _crashed(run: _Run, label: str, quiet: bool, earlier=None) -> EngineRunResul
             from microvllm.checks.scheduler import SCHEDULER_HINTS
 
             text = "\n".join(lines)
-            hint = next((h for pattern, h in POOL_HINTS + SCHEDULER_HINTS if re.search(pattern, text)), None)
+            known = POOL_HINTS + SCHEDULER_HINTS + SPEC_HINTS
+            hint = next((h for pattern, h in known if re.search(pattern, text)), None)
             if hint:
                 lines.append(f"hint:     {hint}")
         where = "" if lines[0].startswith("step ") else f" {run.where}"  # the message names its step

@@ -26,6 +26,9 @@ engine settings chosen so that a wrong component changes the tokens or a step's 
     STRUCTURED_RUN five prompts, each under a regex (structured_outputs_backend="course"), greedy and
                    seeded: a token mask that lets one wrong token through, or forbids a right one,
                    changes what the random model writes (token_trie)
+    SPEC_DECODE_RUN  6 prompts that repeat themselves, n-gram drafts (3 a step): greedy and seeded at
+                   several temperatures, so that steps keep every draft (a bonus token), reject one
+                   (a token from the residual) or have no drafts (rejection_sampler)
     GREEDY_RUN     the 4 prompts, greedy: everything else (decode kernel)
 """
 
@@ -102,9 +105,23 @@ STRUCTURED_RUN = Workload(
                structured_outputs=StructuredOutputsParams(regex=pattern))
           for i, pattern in enumerate(STRUCTURED_PATTERNS)),
     (("structured_outputs_backend", "course"),))
+# Prompts that repeat themselves, so that n-gram drafts (3 a step) exist and are often right. Measured
+# on the reference engine: the greedy prompt and the seeded ones at temperature 0.2 and 0.3 have steps
+# where every draft is kept (a bonus token) and steps with a rejection; the top-k prompt rejects all 25
+# of its drafts (a token from the residual each time); prompts 2 and 3 get no drafts (K = 0 rows).
+SPEC_DECODE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC_DECODE_RUN = Workload(
+    "speculative decoding",
+    ("one two three four one two three four one two three four one two", {"prompt_token_ids": [5, 6, 7, 8, 9] * 5},
+     PROMPTS[0], "a b c a b c a b c a b", {"prompt_token_ids": [29, 487, 307] * 6},
+     {"prompt_token_ids": [424, 187] * 8}),
+    (GREEDY, dict(temperature=0.2, seed=30), dict(temperature=0.5, seed=31), dict(temperature=1.0, seed=32),
+     dict(temperature=0.7, top_k=5, seed=33), dict(temperature=0.3, top_p=0.9, seed=34)),
+    (("speculative_config", SPEC_DECODE),))
 WORKLOADS = {"detokenizer": DETOKENIZER_RUN, "scheduler": SCHEDULER_RUN, "block_pool": PREFIX_RUN,
              "kv_cache_manager": PREFIX_HASH_RUN, "sampler": SAMPLED_RUN, "model_runner": SAMPLED_RUN,
-             "block_table": SAMPLED_RUN, "token_trie": STRUCTURED_RUN}
+             "block_table": SAMPLED_RUN, "token_trie": STRUCTURED_RUN,
+             "rejection_sampler": SPEC_DECODE_RUN}
 
 
 def params_text(params: dict) -> str:

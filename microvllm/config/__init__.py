@@ -13,6 +13,7 @@ and returns this frozen tree; nothing writes to it afterwards::
     ├── parallel_config   ParallelConfig   tensor_parallel_size
     ├── device_config     DeviceConfig     cpu / cuda, attention backend, enforce_eager
     ├── structured_outputs_config          which backend compiles grammars
+    ├── speculative_config SpeculativeConfig | None   who drafts tokens for the target to check
     └── profiler_config   dict | None      vLLM's profiler settings (start_profile)
 
 Each field lives in exactly one of these classes. What the engine learns later (the
@@ -30,6 +31,7 @@ from microvllm.config.cache import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CA
 from microvllm.config.device import DEVICES, DeviceConfig
 from microvllm.config.model import DTYPES, ModelConfig, resolve_dtype
 from microvllm.config.parallel import ParallelConfig
+from microvllm.config.speculative import SpeculativeConfig
 from microvllm.config.structured_outputs import StructuredOutputsConfig
 from microvllm.core.config import SchedulerConfig
 
@@ -44,6 +46,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig | None = None
     profiler_config: dict | None = None
     """vLLM's ``{"profiler": "torch", "torch_profiler_dir": ...}`` for ``start_profile()``."""
 
@@ -51,6 +54,6 @@ class EngineConfig:
 VllmConfig = EngineConfig  # vLLM's name
 
 __all__ = ["CacheConfig", "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_KV_CACHE_BYTES", "DEVICES", "DTYPES",
-           "DeviceConfig", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
+           "DeviceConfig", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",
            "StructuredOutputsConfig", "VllmConfig",
            "resolve_dtype"]

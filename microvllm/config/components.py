@@ -16,6 +16,7 @@ COMPONENTS = {
     "model_runner": "ModelRunner (worker/worker.py)",
     "block_table": "BlockTable, the runner's persistent block tables (worker/model_runner.py)",
     "sampler": "Sampler (worker/model_runner.py)",
+    "rejection_sampler": "RejectionSampler, speculative decoding's check of the drafts (worker/model_runner.py)",
     "token_trie": "TokenTrie, the course backend's vocabulary trie (structured_output/backend_regex.py)",
 }
 

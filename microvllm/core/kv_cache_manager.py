@@ -59,7 +59,12 @@ class KVCacheManager:
     """Block tables of all requests, over all cache groups, on one shared BlockPool."""
 
     def __init__(self, kv_cache_groups: list[KVCacheSpec], num_blocks: int, block_size: int,
-                 enable_caching: bool = True, block_pool_class: type[BlockPool] = BlockPool) -> None:
+                 enable_caching: bool = True, block_pool_class: type[BlockPool] = BlockPool, *,
+                 num_lookahead_tokens: int = 0, max_model_len: int | None = None) -> None:
+        """``num_lookahead_tokens``: slots every allocation holds beyond its new tokens, for a
+        draft model that writes the KV of its drafts before they are scheduled
+        (speculative decoding; vLLM passes the same number to each ``allocate_slots`` call),
+        never past ``max_model_len``."""
         if not kv_cache_groups:
             raise ValueError("kv_cache_groups is empty: a model needs at least one cache group")
         for spec in kv_cache_groups:
@@ -71,6 +76,7 @@ class KVCacheManager:
         self.kv_cache_groups = list(kv_cache_groups)
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.num_lookahead_tokens, self.max_model_len = num_lookahead_tokens, max_model_len
         self.block_pool = block_pool_class(num_blocks, enable_caching)
         self.single_type_managers: list[SingleTypeKVCacheManager] = [
             get_manager_for_kv_cache_spec(spec, self.block_pool, group_id)
@@ -150,6 +156,11 @@ class KVCacheManager:
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens
+        if self.num_lookahead_tokens:
+            num_tokens_need_slot += self.num_lookahead_tokens
+            if self.max_model_len is not None:
+                num_tokens_need_slot = max(min(num_tokens_need_slot, self.max_model_len),
+                                           num_computed_tokens + num_new_tokens)
         num_blocks_to_allocate = sum(
             manager.get_num_blocks_to_allocate(request_id, num_tokens_need_slot, hits)
             for manager, hits in zip(self.single_type_managers, hit_blocks)
@@ -169,7 +180,8 @@ class KVCacheManager:
         if self.enable_caching:
             # Registered when scheduled: a request admitted later in this step may
             # hit them, as every layer writes the step's KV before attention reads.
-            num_tokens_to_cache = min(num_tokens_need_slot, request.num_tokens)
+            # Only tokens computed by this step (never lookahead slots, never drafts).
+            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             for manager in self.single_type_managers:
                 manager.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(tuple(new_blocks))
@@ -238,7 +250,11 @@ class KVCacheManager:
             chunks.append((start, size))
             start += size
         chunks.append((num_prompt_tokens, 1))
-        return max(self.num_blocks_needed_for_chunk(start, size) for start, size in chunks)
+        lookahead = self.num_lookahead_tokens   # held beyond each chunk (speculative decoding)
+        if lookahead and self.max_model_len is not None:
+            return max(self.num_blocks_needed_for_chunk(
+                start, max(min(size + lookahead, self.max_model_len - start), size)) for start, size in chunks)
+        return max(self.num_blocks_needed_for_chunk(start, size + lookahead) for start, size in chunks)
 
     def can_fit_ever(self, num_tokens: int) -> bool:
         """Could a request of ``num_tokens`` tokens run with the pool all to itself? O(groups)."""

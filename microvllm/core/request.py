@@ -6,6 +6,9 @@
                     |<-- num_computed_tokens = 9 -->|       KV written for these
                                                      ^ o2: sampled last step, its KV
                                                        is computed next step (decode)
+    spec_token_ids                                      [ d0 d1 d2 ]   speculative decoding:
+                                                        drafts, checked next step with o2
+
 
 ``num_computed_tokens`` is how many leading tokens already have their KV in the
 cache (prefix-cache hits included). The scheduler's only job is to make it
@@ -95,6 +98,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first admission; -1 = not yet admitted
         self.num_preemptions = 0
+        # Speculative decoding: the drafter's guesses of the next tokens, checked by the
+        # target at the next step (they are not tokens of the request until accepted).
+        self.spec_token_ids: list[int] = []
 
         # Hashes of the full blocks of all_token_ids, grown as tokens arrive.
         self.block_hashes: list[BlockHash] = []
@@ -103,6 +109,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Tokens plus draft tokens: what the next step may compute up to."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

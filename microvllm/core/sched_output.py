@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any
 
 
-def _frozen_mapping(values: Mapping[str, int] | None = None) -> Mapping[str, int]:
+def _frozen_mapping(values: Mapping | None = None) -> Mapping:
     return MappingProxyType(dict(values or {}))
 
 
@@ -61,6 +61,10 @@ class SchedulerOutput:
     preempted_req_ids: frozenset[str] = frozenset()
     finished_req_ids: frozenset[str] = frozenset()  # finished or aborted since the last step
     num_prefix_hit_tokens: Mapping[str, int] = field(default_factory=_frozen_mapping)  # admitted this step
+    # Speculative decoding: the draft tokens each request computes after its last token
+    # this step (they are counted in num_scheduled_tokens); requests without drafts are
+    # absent. The runner checks them with the rejection sampler.
+    scheduled_spec_decode_tokens: Mapping[str, tuple[int, ...]] = field(default_factory=_frozen_mapping)
     # Structured outputs (set by the engine after scheduling, not by the scheduler): the
     # requests that sample under a grammar this step, and row i of grammar_bitmask (an
     # int32 tensor [rows, vocab/32]) says which ids request i may sample.
@@ -69,7 +73,7 @@ class SchedulerOutput:
 
     def __post_init__(self) -> None:
         # Accept plain dicts from callers but store read-only views.
-        for name in ("num_scheduled_tokens", "num_prefix_hit_tokens"):
+        for name in ("num_scheduled_tokens", "num_prefix_hit_tokens", "scheduled_spec_decode_tokens"):
             value = getattr(self, name)
             if not isinstance(value, MappingProxyType):
                 object.__setattr__(self, name, _frozen_mapping(value))

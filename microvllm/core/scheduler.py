@@ -50,6 +50,7 @@ from microvllm.core.outputs import EngineCoreOutput
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from microvllm.core.scheduler_invariants import check_scheduler_invariants
+from microvllm.core.spec_decode_stats import SpecDecodingStats
 from microvllm.core.stop_conditions import check_stop
 
 
@@ -77,6 +78,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         # The runner must drop its copy of these at the next step (see undo_failed_step).
         self.reset_req_ids: set[str] = set()
+        # Speculative decoding: drafts and accepted drafts, per position (metrics).
+        self.spec_decoding_stats = SpecDecodingStats()
 
     # ----------------------------------------------------------- requests in
 
@@ -183,8 +186,10 @@ class Scheduler:
         ### END SOLUTION
 
     def _cap_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        """Tokens to compute: the rest of the request, within the budget and max_model_len."""
-        num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget)
+        """Tokens to compute: the rest of the request (its draft tokens too, with speculative
+        decoding), within the budget and max_model_len. Drafts that do not fit are dropped
+        (``_make_output``)."""
+        num_new_tokens = min(request.num_tokens_with_spec - num_computed_tokens, token_budget)
         # Positions must stay below max_model_len.
         return max(min(num_new_tokens, self.max_model_len - num_computed_tokens), 0)
 
@@ -194,6 +199,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.spec_token_ids = []   # a resumed request recomputes its tokens; drafts come later
         self.waiting.appendleft(request)
 
     def _raise_no_progress(self, request: Request) -> None:
@@ -244,6 +250,12 @@ class Scheduler:
             )
             for r in scheduled_running
         )
+        # Speculative decoding: the drafts that fit this step (scheduled past the last token).
+        spec_tokens = {}
+        for request in scheduled_running:
+            num_spec = request.num_computed_tokens + num_scheduled_tokens[request.request_id] - request.num_tokens
+            if num_spec > 0:
+                spec_tokens[request.request_id] = tuple(request.spec_token_ids[:num_spec])
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -252,6 +264,7 @@ class Scheduler:
             preempted_req_ids=frozenset(r.request_id for r in preempted) | self.reset_req_ids,
             finished_req_ids=frozenset(self.finished_req_ids),
             num_prefix_hit_tokens=prefix_hits,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         for request in (*scheduled_running, *scheduled_new):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
@@ -295,13 +308,25 @@ class Scheduler:
     # ---------------------------------------------------------- results in
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, list[int]]) -> list[EngineCoreOutput]:
+                           sampled_token_ids: dict[str, list[int]],
+                           spec_token_ids: dict[str, list[int]] | None = None) -> list[EngineCoreOutput]:
         """Append the runner's sampled tokens and stop finished requests.
 
         A request whose prefill is still partial (num_computed_tokens <
         num_tokens) sampled nothing real: anything given for it is ignored.
         Every other scheduled request must have at least one sampled token.
         Finished requests' blocks are freed here. O(scheduled requests).
+
+        Speculative decoding: a request that computed d drafts gets 1..d + 1 tokens (the
+        accepted drafts, then one more). The rejected drafts' KV is wrong, so
+        ``num_computed_tokens`` steps back over them; their slots stay the request's and
+        are written again by the next step::
+
+            computed this step   o2 d0 d1 d2     (num_computed_tokens 9 -> 13)
+            sampled              d0 d1 x         (d2 rejected: x is the target's token)
+            num_computed_tokens  13 - 1 = 12     o2 d0 d1 computed; x is next step's input
+
+        ``spec_token_ids``: the drafter's new guesses, checked at the next step.
         """
         outputs: list[EngineCoreOutput] = []
         stopped: dict[str, None] = {}  # in batch order (a set's order would vary with PYTHONHASHSEED)
@@ -309,6 +334,15 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) since schedule()
+            request.spec_token_ids = []
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, ())
+            if drafts:
+                num_rejected = len(drafts) + 1 - len(sampled_token_ids.get(request_id, ()))
+                if not 0 <= num_rejected <= len(drafts):
+                    raise ValueError(f"request {request_id!r} checked {len(drafts)} drafts, so it must get 1 to "
+                                     f"{len(drafts) + 1} tokens, got {sampled_token_ids.get(request_id)}")
+                request.num_computed_tokens -= num_rejected
+                self.spec_decoding_stats.observe(len(drafts), len(drafts) - num_rejected)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: no token to sample yet
             token_ids = sampled_token_ids.get(request_id)
@@ -330,6 +364,10 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in stopped]
             for request_id in stopped:
                 self._free_request(self.requests[request_id])
+        for request_id, new_drafts in (spec_token_ids or {}).items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = list(new_drafts)
         return outputs
 
     # -------------------------------------------------------------- queries

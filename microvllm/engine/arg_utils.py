@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import typing
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from microvllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 from microvllm.config.components import check_components
@@ -64,7 +66,7 @@ VLLM_ONLY_ENGINE_OPTIONS = (
     "distributed_executor_backend", "kv_cache_dtype", "swap_space", "cpu_offload_gb",
     "load_format", "config_format", "download_dir", "revision", "tokenizer_revision", "code_revision",
     "tokenizer_mode", "hf_config_path", "hf_overrides", "hf_token", "skip_tokenizer_init",
-    "enable_prompt_embeds", "speculative_config", "enable_lora", "enable_lora_bias", "max_loras",
+    "enable_prompt_embeds", "enable_lora", "enable_lora_bias", "max_loras",
     "max_lora_rank", "max_cpu_loras", "lora_dtype", "fully_sharded_loras", "enable_sleep_mode",
     "compilation_config", "cuda_graph_sizes", "max_seq_len_to_capture", "num_gpu_blocks_override",
     "num_lookahead_slots", "logprobs_mode", "limit_mm_per_prompt", "mm_processor_kwargs",
@@ -148,6 +150,9 @@ class EngineArgs:
     generation_config: str = field(default="auto", metadata=_cli(
         "where get_default_sampling_params() reads defaults: auto (the model's "
         "generation_config.json), vllm (SamplingParams()), or a folder"))
+    speculative_config: dict | None = field(default=None, metadata=_cli(
+        'speculative decoding, as a JSON dict: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+        "methods ngram, draft_model (with model=), layer_skip (with num_draft_layers=)", parse=json.loads))
     trace: bool = field(default=False, metadata=_cli("record every engine step (llm.trace)", cli=False))
     debug_invariants: bool = field(default=False, metadata=_cli(
         "check the block pool and scheduler after every step (slow)", cli=False))
@@ -171,7 +176,8 @@ class EngineArgs:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                     help=f.metadata["help"])
             else:
-                base = next(t for t in (typing.get_args(kind) or (kind,)) if t is not type(None))
+                base = f.metadata.get("parse") or next(t for t in (typing.get_args(kind) or (kind,))
+                                                       if t is not type(None))
                 parser.add_argument(flag, type=base, default=f.default, help=f.metadata["help"],
                                     metavar=f.name.upper() if base is str else None)
         return parser
@@ -227,6 +233,7 @@ class EngineArgs:
                                        attention_backend=platform.resolve_attention_backend(self.attention_backend),
                                        enforce_eager=self.enforce_eager),
             structured_outputs_config=StructuredOutputsConfig(structured_outputs_backend=self.structured_outputs_backend),
+            speculative_config=self._speculative_config(hf_config),
             profiler_config=self.profiler_config)
 
     def _scheduler_config(self, max_position_embeddings: int) -> SchedulerConfig:
@@ -248,6 +255,28 @@ class EngineArgs:
                 "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
+
+    def _speculative_config(self, hf_config) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_dict(self.speculative_config, hf_config.num_hidden_layers)
+        if config.method != "ngram" and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config method {config.method!r} with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} is not implemented: use method 'ngram', or "
+                             "tensor_parallel_size=1")
+        if config.model is not None:
+            draft_path = resolve_model_path(config.model)
+            draft_config = load_config(draft_path)
+            if draft_config.vocab_size != hf_config.vocab_size:
+                raise ValueError(f"the draft model {config.model!r} has a vocabulary of {draft_config.vocab_size} "
+                                 f"tokens but the target's has {hf_config.vocab_size}: a draft must share the "
+                                 "target's tokenizer")
+            if getattr(draft_config, "sliding_window", None) not in (None, 0) and \
+                    getattr(draft_config, "use_sliding_window", True):
+                raise ValueError(f"the draft model {config.model!r} uses a sliding window: drafts with one "
+                                 "are not implemented; pick a full-attention draft")
+            config = dataclasses.replace(config, model=str(draft_path))
+        return config
 
     def _parallel_config(self, hf_config) -> ParallelConfig:
         """Refuse a ``tensor_parallel_size`` the model cannot be split by, from config.json,

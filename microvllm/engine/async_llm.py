@@ -259,6 +259,8 @@ class AsyncLLM:
         scheduler = self.engine.scheduler
         self.metrics.set_gauges(len(scheduler.running), len(scheduler.waiting),
                                 self.engine.kv_cache_manager.usage)
+        if self.engine.config.speculative_config is not None:
+            self.metrics.set_spec_decoding(scheduler.spec_decoding_stats)
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

@@ -100,7 +100,9 @@ class Engine:
         # component(): the class given in components (an exercise's), else the engine's.
         self.kv_cache_manager = component(components, "kv_cache_manager", KVCacheManager)(
             specs, self.num_kv_blocks, block_size, enable_caching=cache_config.enable_prefix_caching,
-            block_pool_class=component(components, "block_pool", BlockPool))
+            block_pool_class=component(components, "block_pool", BlockPool),
+            num_lookahead_tokens=config.speculative_config.num_lookahead_tokens if config.speculative_config else 0,
+            max_model_len=config.scheduler_config.max_model_len)
         self.scheduler = component(components, "scheduler", Scheduler)(config.scheduler_config,
                                                                          self.kv_cache_manager)
         self.structured_output_manager = StructuredOutputManager(
@@ -274,7 +276,8 @@ class Engine:
                     or isinstance(error, FATAL_ERRORS)):
                 raise
             return self._isolate_fault(plan, error)
-        core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids)
+        core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids,
+                                                         runner_output.spec_token_ids)
         if self.fault_isolation is not None:
             self.fault_isolation.passed(core.request_id for core in core_outputs)
         core_outputs = self._advance_grammars(core_outputs)
@@ -284,7 +287,8 @@ class Engine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._forget_finished_grammars()
         if self.tracer is not None:
-            self.tracer.record(plan, traced, core_outputs, stopped)
+            self.tracer.record(plan, traced, core_outputs, stopped,
+                               sampled_token_ids=runner_output.sampled_token_ids)
         if self.debug_invariants:
             self.check_invariants()
         self.num_steps += 1

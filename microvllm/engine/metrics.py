@@ -15,8 +15,11 @@ plus ``_sum`` and ``_count``.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import threading
 from dataclasses import dataclass, field
+
+from microvllm.core.spec_decode_stats import SpecDecodingStats
 
 PREFIX = "microvllm:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -72,6 +75,7 @@ class ServingMetrics:
         self.time_to_first_token = Histogram(TTFT_BUCKETS)
         self.inter_token_latency = Histogram(ITL_BUCKETS)
         self.e2e_request_latency = Histogram(E2E_BUCKETS)
+        self.spec_decoding: SpecDecodingStats | None = None   # None: speculative decoding is off
 
     # ------------------------------------------------ the engine thread
     def on_arrival(self, request_id: str, now: float) -> None:
@@ -105,6 +109,12 @@ class ServingMetrics:
                 self.e2e_request_latency.observe(now - timing.arrival)
                 reason = out.outputs[0].finish_reason or "stop"
                 self.request_success_total[reason] = self.request_success_total.get(reason, 0) + 1
+
+    def set_spec_decoding(self, stats: SpecDecodingStats) -> None:
+        """The scheduler's running counts of drafts and accepted drafts (copied)."""
+        with self._lock:
+            self.spec_decoding = dataclasses.replace(
+                stats, num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos))
 
     def set_gauges(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         with self._lock:
@@ -144,7 +154,65 @@ class ServingMetrics:
                      "Time from arrival to the last token.")):
                 metric(name, "histogram", text,
                        [_labelled(line, label) for line in hist.lines(name)])
+            if self.spec_decoding is not None:
+                lines.extend(spec_decoding_lines(self.spec_decoding, label))
         return "\n".join(lines) + "\n"
+
+
+def spec_decoding_lines(stats: SpecDecodingStats, label: str) -> list[str]:
+    """Speculative decoding's counters, vLLM's ``spec_decode_*`` names under our prefix."""
+    lines = []
+    for name, help_text, values in (
+            ("spec_decode_num_drafts", "Steps in which a request had drafts checked.",
+             [f"{{{label}}} {stats.num_drafts}"]),
+            ("spec_decode_num_draft_tokens", "Draft tokens checked by the target.",
+             [f"{{{label}}} {stats.num_draft_tokens}"]),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             [f"{{{label}}} {stats.num_accepted_tokens}"]),
+            ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+             [f'{{{label},position="{i}"}} {n}' for i, n in enumerate(stats.num_accepted_tokens_per_pos)])):
+        lines += [f"# HELP {PREFIX}{name}_total {help_text}", f"# TYPE {PREFIX}{name}_total counter"]
+        lines += [f"{PREFIX}{name}_total{value}" for value in values]
+    return lines
+
+
+# ``LLM.get_metrics()`` returns these (vLLM: ``vllm/v1/metrics/reader.py``, same names).
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Counter(Metric):
+    value: int
+
+
+@dataclass(frozen=True)
+class Gauge(Metric):
+    value: float
+
+
+@dataclass(frozen=True)
+class Vector(Metric):
+    values: list[int]
+
+
+def engine_metrics(engine) -> list[Metric]:
+    """A snapshot of an engine's gauges and speculative decoding counters (``LLM.get_metrics``)."""
+    scheduler = engine.scheduler
+    metrics: list[Metric] = [
+        Gauge(f"{PREFIX}num_requests_running", {}, len(scheduler.running)),
+        Gauge(f"{PREFIX}num_requests_waiting", {}, len(scheduler.waiting)),
+        Gauge(f"{PREFIX}kv_cache_usage_perc", {}, engine.kv_cache_manager.usage)]
+    if engine.config.speculative_config is not None:
+        stats = scheduler.spec_decoding_stats
+        metrics += [Counter(f"{PREFIX}spec_decode_num_drafts", {}, stats.num_drafts),
+                    Counter(f"{PREFIX}spec_decode_num_draft_tokens", {}, stats.num_draft_tokens),
+                    Counter(f"{PREFIX}spec_decode_num_accepted_tokens", {}, stats.num_accepted_tokens),
+                    Vector(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", {},
+                           list(stats.num_accepted_tokens_per_pos))]
+    return metrics
 
 
 def _labelled(line: str, label: str) -> str:

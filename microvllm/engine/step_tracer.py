@@ -67,9 +67,10 @@ class StepTracer:
                             [(d, False) for d in plan.scheduled_cached_reqs]:
             rid, n = data.req_id, plan.num_scheduled_tokens[data.req_id]
             request = requests[rid]
+            num_drafts = len(plan.scheduled_spec_decode_tokens.get(rid, ()))
             scheduled.append(RequestStep(
-                request_id=rid, num_scheduled_tokens=n,
-                kind=step_kind(data.num_computed_tokens, n, request.num_tokens,
+                request_id=rid, num_scheduled_tokens=n, num_draft_tokens=num_drafts,
+                kind=step_kind(data.num_computed_tokens, n - num_drafts, request.num_tokens,
                                request.num_output_tokens, is_new),
                 num_computed_tokens_before=data.num_computed_tokens,
                 num_prompt_tokens=request.num_prompt_tokens,
@@ -78,9 +79,10 @@ class StepTracer:
         return scheduled
 
     def record(self, plan, scheduled: list[RequestStep], core_outputs, stopped: list[str],
-               step: int | None = None) -> None:
+               step: int | None = None, sampled_token_ids: dict[str, list[int]] | None = None) -> None:
         """Append the step's record. ``stopped``: ids finished after ``update_from_output``
-        (stop strings); ``step``: the step's number, by default one past the last record."""
+        (stop strings); ``step``: the step's number, by default one past the last record;
+        ``sampled_token_ids``: the runner's tokens (with drafts: the accepted ones + 1)."""
         if step is None:
             step = self.trace.steps[-1].step + 1 if self.trace.steps else 0
         scheduler, manager = self.scheduler, self.scheduler.kv_cache_manager
@@ -90,6 +92,10 @@ class StepTracer:
             else ({}, [0] * pool.num_blocks)
         allocated, freed = pool_changes(before, self._after_schedule or before, ref_cnts, pool.null_block.block_id)
         new_tokens = {o.request_id: list(o.new_token_ids) for o in core_outputs if o.new_token_ids}
+        sampled = sampled_token_ids or {}
+        for entry in scheduled:   # accepted drafts: every sampled token but the target's own last one
+            if entry.num_draft_tokens and sampled.get(entry.request_id):
+                entry.num_accepted_tokens = len(sampled[entry.request_id]) - 1
         finished = {o.request_id: o.finish_reason for o in core_outputs if o.finish_reason}
         finished.update({rid: "stop" for rid in stopped})
         self.sink.record(StepTrace(

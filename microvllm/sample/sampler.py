@@ -66,17 +66,7 @@ class Sampler(nn.Module):
         raw_logprobs = (compute_logprobs(logits)
                         if sampling_metadata.max_num_logprobs is not None else None)
 
-        m = sampling_metadata
-        if m.min_tokens_banned_ids or m.logit_bias or m.allowed_token_ids or m.bad_words_banned_ids:
-            logits = logits.clone()  # the caller's logits stay untouched
-            apply_min_tokens_penalty(logits, m.min_tokens_banned_ids.items())
-            apply_logit_bias(logits, m.logit_bias)
-            apply_allowed_token_ids(logits, m.allowed_token_ids)
-            apply_min_tokens_penalty(logits, m.bad_words_banned_ids.items())  # the same ban
-        if sampling_metadata.repetition_penalties is not None:  # greedy rows too, as in vLLM
-            logits = apply_penalties(logits, m.prompt_token_ids, m.output_token_ids,
-                                     m.presence_penalties, m.frequency_penalties, m.repetition_penalties)
-
+        logits = self.apply_logits_processors(logits, sampling_metadata)
         sampled = self.sample(logits, sampling_metadata)
 
         logprobs_tensors = None
@@ -84,6 +74,24 @@ class Sampler(nn.Module):
             logprobs_tensors = gather_logprobs(raw_logprobs, sampling_metadata.max_num_logprobs,
                                                sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+        """Every rule that changes a row's logits before the draw: min_tokens bans, logit_bias,
+        allowed_token_ids, bad words, then the penalties. Returns new logits when a rule
+        applies (the caller's stay untouched), else ``logits`` itself. The rejection
+        sampler of speculative decoding runs the same rules on each draft position."""
+        m = sampling_metadata
+        if m.min_tokens_banned_ids or m.logit_bias or m.allowed_token_ids or m.bad_words_banned_ids:
+            logits = logits.clone()
+            apply_min_tokens_penalty(logits, m.min_tokens_banned_ids.items())
+            apply_logit_bias(logits, m.logit_bias)
+            apply_allowed_token_ids(logits, m.allowed_token_ids)
+            apply_min_tokens_penalty(logits, m.bad_words_banned_ids.items())  # the same ban
+        if m.repetition_penalties is not None:  # greedy rows too, as in vLLM
+            logits = apply_penalties(logits, m.prompt_token_ids, m.output_token_ids,
+                                     m.presence_penalties, m.frequency_penalties, m.repetition_penalties)
+        return logits
 
     def sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; random rows are filtered and drawn."""

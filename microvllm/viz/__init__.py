@@ -1,8 +1,10 @@
 """Pictures of the engine at work, drawn from a recorded `microvllm.trace.Trace`.
 
     plot_block_pool(trace, step)     the pool as a grid: owner, ref count, cached-free, null block
-    plot_block_tables(trace, step)   each running request's logical -> physical block table
-    plot_batch(trace, step)          the step's tokens per request against the token budget (runner order)
+    plot_block_tables(trace, step)   each running request's logical -> physical block table (and the
+                                     still-held slots of rejected drafts)
+    plot_batch(trace, step)          the step's tokens per request against the token budget (runner order);
+                                     speculative drafts hatched: accepted ///, rejected xxx
     plot_queues(trace, step)         the step's requests by queue: running, waiting (in order), finished,
                                      preempted; one chip per request in its colour (the legend)
     plot_timeline(trace, step=None)  the whole run: tokens per step, budget, free blocks, preemptions

@@ -2,8 +2,9 @@
 
     tokens  0        10        20        30 |budget 32
     r1      [▒]                             decode 1
-    r0       [##########]                   prefill 10 (new, +8 cached)
-    r2                  [#########]         prefill 9 (chunk)
+    r4         [▒///xxx]                    decode 1 + 6 drafts, 3 accepted
+    r0                [##########]          prefill 10 (new, +8 cached)
+    r2                           [#########] prefill 9 (chunk)
     r3      ✕ preempted
 
 Rows are in the model runner's order (`runner_order`): the order of the requests'
@@ -16,6 +17,13 @@ drawn at least `MIN_BAR_FRACTION` of the axis wide, so that one decode token
 stays visible on a budget of thousands (the label says the true count).
 Bars carry gids `batch-<request>-<kind>`; the budget line is `budget`; markers
 `prefix-hits` and `preempted`; row labels `batch-labels`.
+
+Speculative decoding: a request's draft tokens (checked in the same forward, after its
+newest token) continue its bar, hatched: accepted drafts ``///`` in the request's
+colour (gid `batch-<request>-accepted`), rejected ones ``xxx`` in red on white (gid
+`batch-<request>-rejected`; their KV slots stay the request's and are rewritten next
+step, see `block_table`). The request's own bar (`batch-<request>-<kind>`) then counts
+only its non-draft tokens; every bar's true token count is its ``num_tokens``.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ def runner_order(scheduled: list[RequestStep]) -> list[RequestStep]:
 
 
 def describe_request_step(r: RequestStep, resumed: bool = False) -> str:
-    """'prefill 9 (new, +8 cached)' / 'decode 1' — the row label."""
+    """'prefill 9 (new, +8 cached)' / 'decode 1' / 'decode 1 + 3 drafts, 2 accepted' — the row label."""
     notes = []
     if r.is_new:
         notes.append("resumed" if resumed else "new")
@@ -57,7 +65,20 @@ def describe_request_step(r: RequestStep, resumed: bool = False) -> str:
         notes.append("next chunk")
     if r.kind == "prefill" and total < r.num_prompt_tokens:
         notes.append(f"{total}/{r.num_prompt_tokens} of prompt")
-    return f"{r.kind} {r.num_scheduled_tokens}" + (f" ({', '.join(notes)})" if notes else "")
+    own = r.num_scheduled_tokens - r.num_draft_tokens
+    drafts = ""
+    if r.num_draft_tokens:
+        drafts = f" + {r.num_draft_tokens} draft{'s' if r.num_draft_tokens > 1 else ''}"
+        if r.num_accepted_tokens is not None:
+            drafts += f", {r.num_accepted_tokens} accepted"
+    return f"{r.kind} {own}{drafts}" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def draft_split(r: RequestStep) -> tuple[int, int, int]:
+    """(own tokens, accepted drafts, rejected drafts) of one request's share of a step.
+    Drafts whose fate is unknown (``num_accepted_tokens`` None) count as rejected."""
+    accepted = r.num_accepted_tokens or 0
+    return r.num_scheduled_tokens - r.num_draft_tokens, accepted, r.num_draft_tokens - accepted
 
 
 def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
@@ -72,14 +93,16 @@ def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
     tokens = [r.num_scheduled_tokens for r in batch]
     lefts = [sum(tokens[:k]) for k in range(len(tokens))]
     x_max = max(s.token_budget, sum(tokens)) * 1.04
-    widths = [max(n, MIN_BAR_FRACTION * x_max) for n in tokens]
+    own = [draft_split(r)[0] for r in batch]
+    widths = [max(n, MIN_BAR_FRACTION * x_max) for n in own]
     faces = [to_rgba(palette.get(r.request_id, colors.UNKNOWN_COLOR), colors.DECODE_ALPHA if r.kind == "decode"
                      else 1.0) for r in batch]
     bars = ax.barh(range(len(widths)), widths, left=lefts, height=0.7, color=faces, linewidth=0.5,
                    edgecolor=["black" if r.kind == "decode" else face for r, face in zip(batch, faces)])
-    for bar, r in zip(bars, batch):
+    for bar, r, n in zip(bars, batch, own):
         bar.set_gid(f"batch-{r.request_id}-{r.kind}")
-        bar.num_tokens = r.num_scheduled_tokens          # the true width (a bar is drawn at least MIN_BAR_FRACTION)
+        bar.num_tokens = n                               # the true width (a bar is drawn at least MIN_BAR_FRACTION)
+    _draw_drafts(ax, batch, lefts, widths, faces, MIN_BAR_FRACTION * x_max)
     hits = [(left, y) for y, (left, r) in enumerate(zip(lefts, batch)) if r.prefix_hit_tokens]
     ax.plot([x for x, _ in hits], [y for _, y in hits], marker="*", markersize=12, color="#f5b800",
             markeredgecolor="black", linestyle="none", clip_on=False, gid="prefix-hits")
@@ -112,3 +135,22 @@ def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
     if not rows:
         ax.text(0.5, 0.5, "nothing scheduled", ha="center", va="center", transform=ax.transAxes, color="#666666")
     return fig
+
+
+def _draw_drafts(ax: Axes, batch: list[RequestStep], lefts: list[int], widths: list[float], faces,
+                 min_width: float) -> None:
+    """Each request's drafts after its own bar: accepted ``///``, rejected ``xxx`` (module
+    docstring); each part at least ``min_width`` wide, like the other bars."""
+    for y, (r, left, width, face) in enumerate(zip(batch, lefts, widths, faces)):
+        if not r.num_draft_tokens:
+            continue
+        _, accepted, rejected = draft_split(r)
+        x = left + width
+        for n, gid, style in ((accepted, "accepted", dict(color=face, hatch=colors.DRAFT_HATCH, edgecolor="black")),
+                              (rejected, "rejected", dict(color="white", hatch=colors.REJECTED_HATCH,
+                                                          edgecolor=colors.REJECTED_COLOR))):
+            if n:
+                (bar,) = ax.barh([y], [max(n, min_width)], left=x, height=0.7, linewidth=0.5,
+                                 gid=f"batch-{r.request_id}-{gid}", **style)
+                bar.num_tokens = n
+                x += max(n, min_width)

@@ -9,6 +9,18 @@ One row per request, and per cache group when the model has several. Cells form
 two collections, gids `tables-cells` and `tables-null` (row y, column j = logical
 block j of the y-th (request, group) row); the physical ids are one label
 collection, gid `tables-ids`; the row names `tables-rows` (see `cell_labels`).
+
+Speculative decoding: the KV of every draft the target checked was written into the
+request's slots. A rejected draft's slots stay allocated to the request (its blocks
+are not freed); ``num_computed_tokens`` stops before them, so the next step's tokens
+are written over them::
+
+    r0 (block_size 4)  [ 1 ][ 2 ][ 7 |xx]    tokens 0..9 computed, drafts at 10 and 11
+                                    ^^       rejected: slots 10-11 of block 7 hatched,
+                                             rewritten by the next step's tokens
+
+Those slots are one collection, gid `tables-rejected` (one box per rejected slot, x =
+logical block + slot / block_size), drawn only for requests with rejected drafts.
 """
 
 from __future__ import annotations
@@ -67,6 +79,11 @@ def plot_block_tables(trace: Trace, step: int, ax: Axes | None = None, *, max_ro
                                      gid="tables-cells"), autolim=False)
     ax.add_collection(PolyCollection(nulls, facecolors=colors.NULL_COLOR, edgecolors="white",
                                      gid="tables-null"), autolim=False)
+    rejected = rejected_slots(trace, step, rows)
+    if rejected:
+        ax.add_collection(PolyCollection(rejected, facecolors="white", edgecolors=colors.REJECTED_COLOR,
+                                         hatch=colors.REJECTED_HATCH, linewidths=0.5, gid="tables-rejected"),
+                          autolim=False)
     add_cell_labels(ax, centres, labels, fontsize, inks, "tables-ids")
     if not rows:
         ax.text(0.5, 0.5, "no running requests", ha="center", va="center", transform=ax.transAxes, color="#666666")
@@ -81,9 +98,33 @@ def plot_block_tables(trace: Trace, step: int, ax: Axes | None = None, *, max_ro
                     7, "#444444", "tables-columns", transform=above, clip=False)
     window = f" · ∅ = left the {trace.sliding_window}-token window (null block)" if trace.sliding_window else ""
     hidden = f" · {len(all_rows) - len(rows)} more rows not shown" if len(all_rows) > len(rows) else ""
+    drafts = " · hatched = slots of rejected drafts (still held, rewritten next step)" if rejected else ""
     ax.set_title(f"Block tables after step {s.step}{hidden}\nlogical block → physical block · "
-                 f"thick edge = shared{window}", fontsize=9, pad=16)
+                 f"thick edge = shared{window}{drafts}", fontsize=9, pad=16)
     return fig
+
+
+def rejected_slots(trace: Trace, step: int, rows: list[tuple[str, int]]) -> list[list[tuple[float, float]]]:
+    """One box per KV slot written by a draft the target rejected in step *index* `step`.
+
+    The step computed positions ``before .. before + scheduled - 1``; the request's own
+    token and its accepted drafts are kept, so the rejected drafts sat at positions
+    ``before + scheduled - rejected .. before + scheduled - 1``."""
+    s, size = trace[step], trace.block_size
+    boxes = []
+    for r in s.scheduled:
+        if not r.num_draft_tokens or r.num_accepted_tokens is None:
+            continue
+        end = r.num_computed_tokens_before + r.num_scheduled_tokens
+        for y, (rid, g) in enumerate(rows):
+            if rid != r.request_id:
+                continue
+            for position in range(end - (r.num_draft_tokens - r.num_accepted_tokens), end):
+                j, slot = divmod(position, size)
+                if j < len(s.block_tables[rid][g]):
+                    x0, x1 = j + 0.05 + 0.9 * slot / size, j + 0.05 + 0.9 * (slot + 1) / size
+                    boxes.append([(x0, y + 0.55), (x1, y + 0.55), (x1, y + 0.95), (x0, y + 0.95)])
+    return boxes
 
 
 def _cell(j: int, y: int, inset: float) -> list[tuple[float, float]]:

@@ -22,6 +22,8 @@ BUDGET_COLOR = "#d62728"
 PREEMPT_COLOR = "#d62728"
 ALLOCATED_COLOR = "#000000"    # edge of a block allocated in this step (no request is black)
 FREED_COLOR = "#d62728"        # inner edge of a block freed in this step
+REJECTED_COLOR = "#d62728"     # hatch of rejected draft tokens and of their KV slots
+DRAFT_HATCH, REJECTED_HATCH = "///", "xxx"
 DECODE_ALPHA = 0.45           # decode tokens are drawn fainter than prefill tokens
 
 

@@ -145,6 +145,11 @@ class StepFigure:
                    Patch(facecolor="none", edgecolor=colors.ALLOCATED_COLOR, linewidth=2.5,
                          label="allocated this step"),
                    Patch(facecolor="none", edgecolor=colors.FREED_COLOR, linewidth=2.5, label="freed this step")]
+        if any(r.num_draft_tokens for s in self.trace for r in s.scheduled):     # speculative decoding
+            handles += [Patch(facecolor="#888888", hatch=colors.DRAFT_HATCH, edgecolor="black",
+                              label="accepted drafts"),
+                        Patch(facecolor="white", hatch=colors.REJECTED_HATCH, edgecolor=colors.REJECTED_COLOR,
+                              label="rejected drafts (their slots)")]
         self.figure.legend(handles=handles, loc="lower center", ncols=(len(handles) + 1) // 2, fontsize=8,
                            frameon=False)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from microvllm.trace import Trace
+from microvllm.trace import RequestStep, Trace
 
 
 def describe_step(trace: Trace, step: int) -> list[str]:
@@ -27,6 +27,9 @@ def describe_step(trace: Trace, step: int) -> list[str]:
                      + ": blocks freed, full ones stay cached.")
     if s.waiting:
         lines.append("Waiting: " + ", ".join(s.waiting[:12]) + (" …" if len(s.waiting) > 12 else "") + ".")
+    drafts = [r for r in s.scheduled if r.num_draft_tokens]
+    if drafts:
+        lines.append("Drafts: " + "; ".join(describe_drafts(r) for r in drafts) + ".")
     if s.allowed_fraction:
         lines.append("Grammar masks: " + ", ".join(f"{rid} may sample {fraction:.1%} of the vocabulary"
                                                    for rid, fraction in s.allowed_fraction.items()) + ".")
@@ -46,6 +49,20 @@ def describe_step(trace: Trace, step: int) -> list[str]:
     lines.append(f"Pool: {s.num_free_blocks} of {trace.num_blocks - 1} blocks free ({cached_free} still cached), "
                  f"{shared} shared by several requests.")
     return lines
+
+
+def describe_drafts(r: RequestStep) -> str:
+    """'r0 checked 4 drafts, kept 2; positions 31-32 (rejected) stay allocated, rewritten next step'."""
+    text = f"{r.request_id} checked {r.num_draft_tokens} draft{'s' if r.num_draft_tokens > 1 else ''}"
+    if r.num_accepted_tokens is None:
+        return text
+    rejected = r.num_draft_tokens - r.num_accepted_tokens
+    text += f", kept {r.num_accepted_tokens}"
+    if rejected:
+        end = r.num_computed_tokens_before + r.num_scheduled_tokens
+        where = f"position {end - 1}" if rejected == 1 else f"positions {end - rejected}-{end - 1}"
+        text += f" ({where}: slots still allocated, rewritten next step)"
+    return text
 
 
 def scheduled_before(trace: Trace, step: int) -> set[str]:

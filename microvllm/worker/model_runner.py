@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from microvllm.attention.metadata import AttentionMetadata
-from microvllm.sample.logprobs import LogprobsLists, prompt_logprobs_of_chunk
+from microvllm.sample.logprobs import LogprobsLists, compute_logprobs, gather_logprobs, prompt_logprobs_of_chunk
 from microvllm.sample.metadata import SamplingMetadata, make_generator
+from microvllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from microvllm.sample.sampler import Sampler
 from microvllm.sampling_params import SamplingParams
 from microvllm.structured_output.bitmask import apply_bitmask
@@ -50,9 +51,10 @@ class CachedRequestState:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]                                   # requests that got a new token
-    sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)          # one row each
+    sampled_token_ids: dict[str, list[int]]              # one token, or 1..d+1 with d drafts
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)          # one row per token
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)   # this chunk's rows
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)        # drafts for next step
 
 
 @dataclass
@@ -91,7 +93,8 @@ class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], *, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
                  seed: int, sampler_class: type[Sampler] = Sampler,
-                 block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None, device="cpu"):
+                 block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None, device="cpu",
+                 drafter=None, rejection_sampler_class: type[RejectionSampler] = RejectionSampler):
         # Where the model and its inputs are, with its index ("cuda:0") as tensors and
         # generators report theirs.
         self.model, self.device = model, torch.empty(0, device=device).device
@@ -106,6 +109,10 @@ class ModelRunner:
         if self.sampler.generator.device != self.device:   # noise is drawn where the logits are
             self.sampler.generator = make_generator(seed, self.device)
         self.requests: dict[str, CachedRequestState] = {}
+        # Speculative decoding (None: off): proposes each request's next drafts after it
+        # samples (spec_decode/); the rejection sampler checks them at the next step.
+        self.drafter = drafter
+        self.rejection_sampler = rejection_sampler_class(self.sampler.generator)
         max_blocks = -(-max_model_len // block_size)
         self.block_tables = [block_table_class(max_num_seqs, max_blocks, block_size)
                              for _ in range(model.layout.num_groups)]
@@ -134,6 +141,10 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
             for table, ids in zip(self.block_tables, cached.new_block_ids):
                 table.append(cached.req_id, list(ids))
+        # This step's drafts go after each request's tokens, as if they were its tokens:
+        # the inputs are then built as for any chunk. execute_model takes them off again.
+        for req_id, drafts in plan.scheduled_spec_decode_tokens.items():
+            self.requests[req_id].token_ids.extend(drafts)
 
     def _remove(self, req_id: str) -> None:
         if self.requests.pop(req_id, None) is not None:
@@ -215,13 +226,17 @@ class ModelRunner:
         req_ids, states = inputs.req_ids, inputs.states
         self._make_generators_on_device(states)
         hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if self.drafter is not None:   # a draft model computes the same positions' KV
+            self.drafter.after_target_forward(inputs)
         prompt_logprobs = self._prompt_logprobs(req_ids, states, hidden, inputs.attn_metadata[0], plan)
         for state, req_id in zip(states, req_ids):
             state.num_computed_tokens += plan.num_scheduled_tokens[req_id]
         if not inputs.sampling_req_indices:
             return ModelRunnerOutput([], {}, prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         sampled_states = [states[i] for i in inputs.sampling_req_indices]
+        if plan.scheduled_spec_decode_tokens:
+            return self._sample_with_drafts(plan, inputs, hidden, sampled_states, prompt_logprobs)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         if plan.grammar_bitmask is not None:   # structured outputs: forbidden ids -> -inf
             row_of = {s.req_id: row for row, s in enumerate(sampled_states)}
             apply_bitmask(logits, plan.grammar_bitmask, [row_of[r] for r in plan.structured_output_request_ids])
@@ -247,7 +262,88 @@ class ModelRunner:
                 if n is not None:  # column 0 is the sampled token, then the top n
                     result.logprobs[state.req_id] = LogprobsLists(
                         [ids[row][:n + 1]], [logprobs[row][:n + 1]], [ranks[row]])
+        self._propose_drafts(plan, sampled_states, result)
         return result
+
+    # ------------------------------------------------- speculative decoding
+    def _sample_with_drafts(self, plan, inputs: ModelInputs, hidden: torch.Tensor,
+                            sampled_states: list[CachedRequestState],
+                            prompt_logprobs: dict[str, LogprobsLists]) -> ModelRunnerOutput:
+        """Check this step's drafts: logits at each draft's position and the bonus one, the
+        sampler's rules applied per position, then the rejection sampler::
+
+            request a (2 drafts)   rows  [ a:o2  a:d0  a:d1 ]   each predicts the next token
+            request b (none)       rows  [ b:o5 ]               an ordinary sample
+            -> a keeps d0 (say) and the target's token after it; b gets one token
+
+        Each row is sampled as the request would be after the drafts before it (its
+        min_tokens count, penalties and bad words see them), so the output follows exactly
+        the distribution of decoding without drafts."""
+        qsl = inputs.attn_metadata[0].query_start_loc_cpu
+        assert qsl is not None
+        drafts = [list(plan.scheduled_spec_decode_tokens.get(s.req_id, ())) for s in sampled_states]
+        for state, own in zip(sampled_states, drafts):   # the drafts are not tokens (yet)
+            if own:
+                del state.token_ids[-len(own):]
+        rows = [row for i, own in zip(inputs.sampling_req_indices, drafts)
+                for row in range(qsl[i + 1] - 1 - len(own), qsl[i + 1])]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float()
+        if plan.grammar_bitmask is not None:   # structured requests have no drafts: one row each
+            first_row = dict(zip((s.req_id for s in sampled_states),
+                                 torch.tensor([len(d) + 1 for d in drafts]).cumsum(0).sub(1).tolist()))
+            apply_bitmask(logits, plan.grammar_bitmask, [first_row[r] for r in plan.structured_output_request_ids])
+        # One "virtual request" per row: request a after 0, 1, ... of its drafts.
+        per_row = [(s, own[:j]) for s, own in zip(sampled_states, drafts) for j in range(len(own) + 1)]
+        needs_history = any(s.sampling_params.has_penalties or getattr(s.sampling_params, "bad_words_token_ids", None)
+                            for s in sampled_states)
+        metadata = SamplingMetadata.from_params(
+            [s.sampling_params for s, _ in per_row], [s.generator for s, _ in per_row],
+            num_output_tokens=[s.num_output_tokens + len(seen) for s, seen in per_row],
+            eos_token_ids=self.eos_token_ids,
+            token_ids=[s.token_ids + seen for s, seen in per_row] if needs_history else None,
+            num_prompt_tokens=[s.num_prompt_tokens for s, _ in per_row] if needs_history else None,
+        ).to(logits.device)
+        raw_logprobs = compute_logprobs(logits) if metadata.max_num_logprobs is not None else None
+        output = self.rejection_sampler(SpecDecodeMetadata.from_lists(drafts, logits.device),
+                                        self.sampler.apply_logits_processors(logits, metadata), metadata,
+                                        [s.generator for s in sampled_states])
+        result = ModelRunnerOutput(req_ids=[s.req_id for s in sampled_states], sampled_token_ids={},
+                                   prompt_logprobs=prompt_logprobs)
+        first = 0
+        for state, own, tokens in zip(sampled_states, drafts, output.tolist()):
+            tokens = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
+            state.token_ids.extend(tokens)
+            result.sampled_token_ids[state.req_id] = tokens
+            n = state.sampling_params.logprobs
+            if raw_logprobs is not None and n is not None:   # row first + i predicted token i
+                got = gather_logprobs(raw_logprobs[first:first + len(tokens)], n,
+                                      torch.tensor(tokens, device=logits.device))
+                ids, values, ranks = got.tolists()
+                result.logprobs[state.req_id] = LogprobsLists([r[:n + 1] for r in ids],
+                                                              [r[:n + 1] for r in values], ranks)
+            first += len(own) + 1
+        self._propose_drafts(plan, sampled_states, result)
+        return result
+
+    def _propose_drafts(self, plan, sampled_states: list[CachedRequestState], result: ModelRunnerOutput) -> None:
+        """The drafter's guesses for each request that just sampled, for the next step: at
+        most k, and never more than the request may still produce (max_tokens,
+        max_model_len: the last of the up to d + 1 new tokens comes from the target).
+        Structured requests get none: their drafts would need the grammar too."""
+        if self.drafter is None:
+            return
+        rooms = []
+        for state in sampled_states:
+            room = self.max_model_len - len(state.token_ids) - 1
+            max_tokens = state.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - state.num_output_tokens - 1)
+            if state.req_id in plan.structured_output_request_ids:
+                room = 0
+            rooms.append(max(room, 0))
+        for state, drafts in zip(sampled_states, self.drafter.propose(self, sampled_states, rooms)):
+            if drafts:
+                result.spec_token_ids[state.req_id] = drafts
 
     def _prompt_logprobs(self, req_ids, states, hidden, metadata, plan) -> dict[str, LogprobsLists]:
         """Prompt logprobs of the requests that asked (``SamplingParams.prompt_logprobs``)."""

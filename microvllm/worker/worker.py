@@ -29,7 +29,10 @@ from microvllm.config.components import component
 from microvllm.distributed.parallel_state import CommunicationStats, get_tp_group
 from microvllm.models.loader import load_model
 from microvllm.platforms import Platform
+from microvllm.sample.rejection_sampler import RejectionSampler
 from microvllm.sample.sampler import Sampler
+from microvllm.spec_decode.draft_model import DraftModelProposer, LayerSkipDraft
+from microvllm.spec_decode.ngram_proposer import NgramProposer
 from microvllm.worker.block_table import BlockTable
 from microvllm.worker.model_runner import ModelRunner
 from microvllm.worker.profile_run import profile_run
@@ -87,8 +90,36 @@ class Worker:
             block_table_class=component(components, "block_table", BlockTable),
             decode_step_runner=self.platform.decode_step_runner(
                 self.model, max_num_seqs=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len),
-            device=self.platform.device)
+            device=self.platform.device, drafter=self._make_drafter(num_blocks),
+            rejection_sampler_class=component(components, "rejection_sampler", RejectionSampler))
         self.platform.process_weights_after_loading(self.model_runner.sampler)
+
+    def _make_drafter(self, num_blocks: int):
+        """The speculative config's proposer (None when speculative decoding is off)."""
+        config = self.config.speculative_config
+        if config is None:
+            return None
+        if config.method == "ngram":
+            assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+            return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+        if config.method == "layer_skip":   # the target's first layers, on the target's cache
+            assert config.num_draft_layers is not None
+            return DraftModelProposer(LayerSkipDraft(self.model, config.num_draft_layers),
+                                      self.kv_caches[:config.num_draft_layers], config.num_speculative_tokens,
+                                      shares_target_kv=True)
+        # A separate draft model: loaded as the target is, with its own cache over the same
+        # block ids (so the scheduler's block tables serve both). Its cache is not counted
+        # in the KV budget: it adds (its layers x its KV heads) / the target's to the cache.
+        assert config.model is not None
+        draft, _ = load_model(config.model, self.backend, dtype=self.config.model_config.dtype,
+                              max_position=self.config.scheduler_config.max_model_len, device=self.platform.device)
+        self.platform.process_weights_after_loading(draft)
+        attn = draft.layers[0].self_attn
+        shape = (2, num_blocks, self.config.cache_config.block_size, attn.num_kv_heads, attn.head_dim)
+        self.draft_kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.platform.device)
+                                for _ in draft.layers]
+        return DraftModelProposer(draft, self.draft_kv_caches, config.num_speculative_tokens,
+                                  shares_target_kv=False)
 
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)

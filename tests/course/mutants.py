@@ -119,3 +119,24 @@ class TrieLeavesOnly(TokenTrie):
     def allowed_from(self, dfa, state):
         return [token_id for token_id in super().allowed_from(dfa, state)
                 if any(token_id in self.ends[node] and not self.children[node] for node in range(len(self.ends)))]
+
+
+# ------------------------------------------------------- exercise 14: the rejection sampler
+
+import microvllm.sample.rejection_sampler as rejection_module  # noqa: E402
+
+
+def rejection_mutants() -> dict:
+    """name -> (rejection_sample, residual_probs) of a copy of the module with one bug."""
+    bugs = {
+        "accepts everything": [("accepted = (uniform * q_of_draft < p_of_draft) & is_draft", "accepted = is_draft")],
+        "forgets the bonus token": [("output[rows, num_accepted] = next_token",
+                                     "output[rows, num_accepted] = torch.where(num_accepted == num_draft_tokens, "
+                                     "PLACEHOLDER_TOKEN_ID, next_token)")],
+        "residual not normalized": [("return torch.where(total > 0, residual / total.clamp(min=torch.finfo("
+                                     "residual.dtype).tiny), target_probs)", "return residual")],
+        "q/p instead of p/q": [("accepted = (uniform * q_of_draft < p_of_draft) & is_draft",
+                                "accepted = (uniform * p_of_draft < q_of_draft) & is_draft")],
+    }
+    copies = {name: mutant(rejection_module, replacements) for name, replacements in bugs.items()}
+    return {name: (copy.rejection_sample, copy.residual_probs) for name, copy in copies.items()}

@@ -34,6 +34,7 @@ from tests.course.mutants import (
     TrieLeavesOnly,
     TrieWalksThroughDead,
     mutant,
+    rejection_mutants,
 )
 
 
@@ -265,6 +266,56 @@ def test_sampler_checker():
         def sample(self, logits, sampling_metadata):
             raise NotImplementedError("Sampler.sample: greedy and random rows")
     todo(checks.check_sampler(SamplerTodo, quiet=True))
+
+
+# ------------------------------------------------------------ rejection sampler
+
+def test_rejection_sampler_checker():
+    from microvllm.sample.rejection_sampler import rejection_sample, residual_probs
+
+    assert checks.check_rejection_sampler(rejection_sample, residual_probs, quiet=True).passed
+    bugs = rejection_mutants()
+    expected = {
+        "accepts everything": r"greedy row 1: drafts \[5, 2, 7\].*expected: \[5, 3, -1, -1\].*stop at the first draft",
+        "forgets the bonus token": r"greedy row 0.*got: +\[5, 2, 7, -1\].*hint: +when all .* accepted.*bonus",
+        "residual not normalized": r"expected: \[0\.75, 0\.25, 0\.0, 0\.0\].*divide by the sum",
+        "q/p instead of p/q": r"must be rejected: min\(1, p/q\) = 0\.25.*\(p/q, not q/p\)",
+    }
+    for name, pattern in expected.items():
+        caught(checks.check_rejection_sampler(*bugs[name], quiet=True), pattern)
+    # Through rejection_sample alone (the engine's residual_probs checked), the unnormalized
+    # residual is still caught where it is sampled from; each mutant fails the distribution test.
+    fixed_residual = checks.check_rejection_sampler(bugs["residual not normalized"][0], residual_probs, quiet=True)
+    caught(fixed_residual, r"sample\(\) was given a row that is not a probability distribution")
+    for name in ("accepts everything", "forgets the bonus token", "q/p instead of p/q"):
+        result = checks.check_rejection_sampler(*bugs[name], quiet=True)
+        assert [c.status for c in result.cases[-2:]] == ["fail", "fail"], (name, result.report())
+
+    def draws_twice(drafts, num, target, q, uniform, sample):   # e.g. the bonus and the residual apart
+        sample(target[:, 0])
+        return rejection_sample(drafts, num, target, q, uniform, sample)
+    caught(checks.check_rejection_sampler(draws_twice, residual_probs, quiet=True),
+           r"must call sample\(\) exactly once; it called it 2 times")
+
+    def todo_sample(*args):
+        raise NotImplementedError("rejection_sample: accept, then one more token")
+    todo(checks.check_rejection_sampler(todo_sample, residual_probs, quiet=True))
+
+
+def test_rejection_sampler_checker_statistics_catch_a_wrong_residual():
+    """A replacement drawn from p itself (no subtraction of q) passes the greedy cases (the
+    residual of a one-hot p is p) but not the draft-by-draft walk nor the chi-square tests:
+    the output over-weights the tokens the drafter proposes."""
+    import microvllm.sample.rejection_sampler as rejection_module
+
+    def residual_is_p(p, q):
+        return p.clone()
+    copy = mutant(rejection_module, residual_probs=residual_is_p)
+    result = checks.check_rejection_sampler(copy.rejection_sample, rejection_module.residual_probs, quiet=True)
+    statuses = {c.name.split(":")[0]: c.status for c in result.cases}
+    assert statuses["greedy rows"] == "pass", result.report()
+    assert result.cases[-1].status == result.cases[-2].status == "fail", result.report()
+    caught(result, r"the first token must follow the target's distribution: chi-square")
 
 
 # ----------------------------------------------------------------- model runner

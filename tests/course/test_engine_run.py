@@ -359,3 +359,67 @@ def test_a_stop_string_search_one_character_too_early_is_caught_after_min_tokens
                                                "len(output_text) - new_char_count - len(stop_string)")])
     caught({"detokenizer": detokenizer.IncrementalDetokenizer}, r"prompt 1 \(greedy, min_tokens=2",
            same_greedy_tokens=False)
+
+
+# ------------------------------------------------------- exercise 14: the rejection sampler
+
+def _rejection_sampler(name: str):
+    import sys
+
+    from tests.course.mutants import rejection_mutants
+
+    rejection_sample, _ = rejection_mutants()[name]
+    return sys.modules[rejection_sample.__module__].RejectionSampler
+
+
+def test_the_package_rejection_sampler_passes_step_by_step():
+    from microvllm.sample.rejection_sampler import RejectionSampler
+
+    result = run_engine_with({"rejection_sampler": RejectionSampler}, quiet=True)
+    assert result.same, result.message
+    assert "✓ every step kept the reference's drafts" in result.message, result.message
+
+
+def test_the_spec_decode_workload_keeps_rejects_and_adds_bonus_tokens():
+    """What the workload's comment promises, measured on the reference engine: greedy and
+    seeded requests both have steps that keep every draft and steps with a rejection, and
+    some requests get no drafts (K = 0 rows beside drafted ones)."""
+    from microvllm.checks.engine_run import _reference
+    from microvllm.checks.engine_workloads import SPEC_DECODE_RUN
+
+    run = _reference(SPEC_DECODE_RUN, {"max_model_len": 128, **dict(SPEC_DECODE_RUN.settings)}, 12, "llama")
+    kinds: dict[str, set[str]] = {}
+    for step in run.trace:
+        for r in step.scheduled:
+            if r.num_computed_tokens_before >= r.num_prompt_tokens:
+                drafts, got = r.num_scheduled_tokens - 1, len(step.new_tokens.get(r.request_id, []))
+                kind = "none" if drafts == 0 else "all kept" if got == drafts + 1 else "rejected"
+                kinds.setdefault(r.request_id, set()).add(kind)
+    assert {"all kept", "rejected"} <= kinds["0"]                  # greedy
+    assert any({"all kept", "rejected"} <= kinds[r] for r in "15")  # seeded
+    assert kinds["4"] == {"rejected"} or "rejected" in kinds["4"]   # residual draws under top-k
+    assert any(kinds[r] == {"none"} for r in kinds)
+
+
+@pytest.mark.parametrize("name", ["accepts everything", "q/p instead of p/q"])
+def test_a_rejection_sampler_that_keeps_wrong_drafts_is_named_at_its_step(name):
+    result = run_engine_with({"rejection_sampler": _rejection_sampler(name)}, quiet=True)
+    assert not result.same
+    assert re.search(r"step \d+: request 0 \(greedy\) checked \d drafts? \[.*kept 0 of the drafts.*"
+                     r"hint: your sampler kept a draft the reference rejects", result.message, re.S), result.message
+
+
+def test_a_rejection_sampler_without_the_bonus_token_stops_the_engine_with_a_hint():
+    result = run_engine_with({"rejection_sampler": _rejection_sampler("forgets the bonus token")}, quiet=True)
+    assert not result.same
+    assert "every row needs one token after its accepted drafts" in result.message, result.message
+
+
+def test_a_replacement_drawn_from_p_instead_of_the_residual_changes_a_seeded_request():
+    import microvllm.sample.rejection_sampler as rejection_module
+
+    copy = mutant(rejection_module, residual_probs=lambda p, q: p.clone())
+    result = run_engine_with({"rejection_sampler": copy.RejectionSampler}, quiet=True)
+    assert not result.same, result.message
+    assert re.search(r"\(seeded\) checked .*hint: where the reference rejected a draft, your token is that "
+                     r"draft itself", result.message, re.S), result.message

@@ -50,6 +50,10 @@ def _components(name, module):
                 dict(max_num_batched_tokens=32),
                 lambda llm: type(llm.engine.executor.worker.model_runner) is module.ModelRunner
                 and type(llm.engine.executor.worker.model_runner.block_tables[0]) is module.BlockTable)
+    if name == "14_rejection_sampler":   # speculative decoding on: every step's drafts are checked by it
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        return ({"rejection_sampler": module.RejectionSampler}, dict(speculative_config=spec),
+                lambda llm: type(llm.engine.executor.worker.model_runner.rejection_sampler) is module.RejectionSampler)
     if name == "15_token_mask":   # the trie is built at the first structured request
         return ({"token_trie": module.TokenTrie}, dict(structured_outputs_backend="course"),
                 lambda llm: type(llm.engine.structured_output_manager._backends["course"].vocabulary.trie)
