@@ -16,6 +16,11 @@ vLLM: ``layers/linear.py``, ``layers/vocab_parallel_embedding.py``), with the sh
 
 Every parameter must be filled exactly once; anything missing, extra or of the
 wrong shape is an error naming the file and the tensor.
+
+Quantized weights (``layers/quantization/``): a folder standing for a GGUF file
+(``gguf_loader.py``) loads with ``GGUFConfig``, each matrix in the file's own format;
+``quantization="int8"`` reads the float checkpoint, then quantizes each layer. Either way the
+layers get their methods before anything is allocated, and the same weight loaders copy rows.
 """
 
 from __future__ import annotations
