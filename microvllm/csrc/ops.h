@@ -35,6 +35,8 @@ void avx512_linear(const void* x, const void* packed, const void* bias, void* y,
 void q4_1_linear(const void* x, const void* weight, const void* bias, void* y, int M, int N, int K);
 void q8_0_linear(const void* x, const void* weight, const void* bias, void* y, int M, int N, int K);
 void int8_linear(const void* x, const void* weight, const void* scales, const void* bias, void* y, int M, int N, int K);
+// int8_linear with the GEMM signature (for the decode fast path): weight_and_scales = {weight, scales}.
+void int8_linear_pair(const void* x, const void* weight_and_scales, const void* bias, void* y, int M, int N, int K);
 void dequantize_rows(int format, const void* weight, const void* scales, void* out, int N, int K);
 
 // argmax.cpp: greedy sampling, the first index of each row's maximum (or first NaN).

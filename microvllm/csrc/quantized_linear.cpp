@@ -377,6 +377,13 @@ void int8_linear(const void* x, const void* weight, const void* scales, const vo
            static_cast<const float*>(bias), static_cast<float*>(y), M, N, K);
 }
 
+// The GEMM signature the decode fast path's layer loop calls (decode_layers.cpp), for int8:
+// `weight_and_scales` points to two pointers, the int8 rows and their float32 scales.
+void int8_linear_pair(const void* x, const void* weight_and_scales, const void* bias, void* y, int M, int N, int K) {
+    const void* const* pair = static_cast<const void* const*>(weight_and_scales);
+    int8_linear(x, pair[0], pair[1], bias, y, M, N, K);
+}
+
 void dequantize_rows(int format, const void* weight, const void* scales, void* out, int N, int K) {
     const uint8_t* w = static_cast<const uint8_t*>(weight);
     const float* s = static_cast<const float*>(scales);

@@ -6,6 +6,7 @@ import torch
 from microvllm import LLM, SamplingParams
 from microvllm.layers.quantization.int8 import Int8LinearMethod, dequantize_int8, quantize_int8_per_row
 from microvllm.models.tiny import make_tiny_model
+from microvllm.platforms.cpu import decode_fast_path
 
 PROMPTS = [[5, 9, 33, 71], [300, 12], [7, 7, 7, 7, 7, 7, 200, 41, 90], [450]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -40,6 +41,9 @@ def test_int8_model_stores_int8_and_stays_close_to_float(tiny_folder, enforce_ea
     assert down.weight_scale.shape == (down.out_features,)
     assert model.lm_head.weight is model.embed_tokens.weight   # still tied, quantized once
     assert down.implementation == ("native" if enforce_eager else "QuantizedLinear")
+    fast_path = llm.engine.executor.worker.model_runner.decode_step_runner
+    if not enforce_eager and decode_fast_path.unsupported_reason(model) is None:
+        assert fast_path is not None and fast_path.kind == "int8_linear_pair"   # decode steps in one C call
     # Each prompt's first token (its prefill's logits) is the float model's; later tokens
     # may part ways (a random tiny model has near-ties; notebook 16 measures the real one).
     float_tokens = tokens(LLM(model=str(tiny_folder), enforce_eager=enforce_eager))

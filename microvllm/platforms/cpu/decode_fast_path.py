@@ -43,7 +43,7 @@ arguments; hence a C loop. Notebook 11 measures the step with it on and off.)
 It applies to decode-only steps (every request computes one token) of up to
 ``AMX_MAX_ROWS`` (bfloat16) or ``AVX512_MAX_ROWS`` (float32) requests, on a CPU whose
 projections have those kernels (or, for quantized weights, all of one format with a kernel
-in ``quantized_linear.cpp``: GGUF Q4_1 or Q8_0, up to ``MAX_FUSED_ROWS`` requests), with
+in ``quantized_linear.cpp``: GGUF Q4_1 or Q8_0, int8, up to ``MAX_FUSED_ROWS`` requests), with
 the ``cpu`` attention backend, for Llama and Mistral layers (not Qwen3's per-head norms).
 Every other step runs the model.
 """
@@ -65,8 +65,9 @@ from microvllm.platforms.cpu.kernels import DTYPE_CODES
 # dtype -> (the PackedGemm pack whose kernel runs the projections, most rows it takes)
 GEMM_KERNELS = {torch.bfloat16: ("amx", AMX_MAX_ROWS), torch.float32: ("avx512", AVX512_MAX_ROWS)}
 # Quantized projections (layers/quantization/): weight format -> the C function that runs
-# them, on the weights as stored (float32 activations; its signature is the GEMM's).
-QUANTIZED_GEMMS = {"Q4_1": "q4_1_linear", "Q8_0": "q8_0_linear"}
+# them, on the weights as stored (float32 activations; its signature is the GEMM's: for int8
+# the "packed weight" is a pair of pointers, the int8 rows and their scales).
+QUANTIZED_GEMMS = {"Q4_1": "q4_1_linear", "Q8_0": "q8_0_linear", "int8": "int8_linear_pair"}
 # What decode_layers() times with ``seconds`` (its enum, in order).
 KERNEL_KINDS = ("gemm", "attention", "write_kv", "rms_norm", "rope", "silu_and_mul")
 
@@ -201,7 +202,8 @@ class DecodeFastPath:
         # Every tensor a Layer record points into; the records are remade when one changes.
         self.tensors = [t for layer in model.layers for t in
                         (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                         *(p for linear in _projections(layer) for p in (linear.weight, linear.bias)))
+                         *(p for linear in _projections(layer)
+                           for p in (linear.weight, linear.bias, getattr(linear, "weight_scale", None))))
                         if t is not None]
         self.records, self.records_key = None, None
 
@@ -269,10 +271,14 @@ class DecodeFastPath:
         def ptr(tensor):
             return tensor.data_ptr() if tensor is not None else None
 
-        records = []
+        records, self.pairs = [], []   # pairs: int8's (weight, scales) pointer pairs, kept alive here
         for i, layer in enumerate(self.model.layers):
             weights = []   # (packed weight, bias) of qkv, o, gate_up, down
             for linear in _projections(layer):
+                if self.kind == QUANTIZED_GEMMS["int8"]:
+                    self.pairs.append((ctypes.c_void_p * 2)(linear.weight.data_ptr(), linear.weight_scale.data_ptr()))
+                    weights += [ctypes.addressof(self.pairs[-1]), ptr(linear.bias)]
+                    continue
                 weight = linear.weight if self.quantized else packed_gemm(linear).pack(linear.weight, self.kind)
                 weights += [ptr(weight), ptr(linear.bias)]
             attn = layer.self_attn.attn
