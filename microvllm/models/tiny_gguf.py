@@ -41,9 +41,11 @@ def permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(folder: str | Path, path: str | Path, weight_type: str = "Q4_1",
-               embedding_type: str = "Q8_0") -> Path:
+               embedding_type: str = "Q8_0", types: dict[str, str] | None = None) -> Path:
     """Write ``folder``'s Llama model to the GGUF file ``path`` (types by GGML name:
-    "Q4_1", "Q8_0", "F16", "F32", ...); returns ``path``."""
+    "Q4_1", "Q8_0", "F16", "F32", ...); ``types``: other types for some tensors, by a part
+    of their GGUF name (``{"attn_k": "Q8_0"}``, as llama.cpp's mixed quantizations do).
+    Returns ``path``."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -77,6 +79,7 @@ def write_gguf(folder: str | Path, path: str | Path, weight_type: str = "Q4_1",
             data = permute(data, kv_heads)
         kind = "F32" if data.ndim == 1 else embedding_type if "embed_tokens" in name or "lm_head" in name \
             else weight_type
+        kind = next((t for part, t in (types or {}).items() if part in gguf_name(name)), kind)
         qtype = gguf.GGMLQuantizationType[kind]
         stored = data if kind == "F32" else data.astype(np.float16) if kind == "F16" \
             else gguf.quants.quantize(data, qtype)

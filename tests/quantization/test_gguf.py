@@ -157,3 +157,16 @@ def test_the_index_reads_what_the_gguf_reader_reads(gguf_files):
     for ours, theirs in zip(index.tensors, reader.tensors):
         assert np.array_equal(ours.data, theirs.data)
     index.close()
+
+
+def test_a_fused_layer_of_mixed_types_loads_as_float32(tiny_folder, tmp_path):
+    """q and v in Q4_1, k in Q8_0 (llama.cpp's mixed quantizations do such things): qkv_proj is
+    one matrix here, so it is loaded as float32; the rest keeps its formats."""
+    file = write_gguf(tiny_folder, tmp_path / "mixed.gguf", types={"attn_k": "Q8_0"})
+    llm = LLM(model=str(file))
+    model = llm.engine.executor.worker.model
+    assert model.layers[0].self_attn.qkv_proj.quant_method is None
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert model.layers[0].mlp.down_proj.weight_type == "Q4_1"
+    convert_gguf(file, tmp_path / "expanded")
+    assert tokens(llm) == tokens(LLM(model=str(tmp_path / "expanded")))
