@@ -112,3 +112,16 @@ class Int8Config(QuantizationConfig):
     def process_weights_after_loading(self, model: nn.Module) -> None:
         super().process_weights_after_loading(model)
         self.done.clear()   # drop the references to the float weights
+        release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Hand the float weights' freed memory back to the operating system. glibc keeps freed
+    heap memory for reuse, so without this the process would stay as large as the float model
+    (measured: ~430 MB of the embedded model's 515 MB). Nothing to do off glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
