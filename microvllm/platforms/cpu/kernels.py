@@ -200,8 +200,14 @@ def _compiler() -> str:
     raise KernelUnavailable("no C++ compiler found: install g++ (or set CXX to one)")
 
 
+@lru_cache(maxsize=None)
+def _compiler_version(compiler: str) -> str:
+    """``compiler --version``, asked once per process (each library's build key needs it)."""
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+
+
 def _build_key(source: Path, compiler: str) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = _compiler_version(compiler)
     headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]
     parts = [source.read_bytes().decode(), *headers, " ".join(COMPILE_FLAGS + LINK_FLAGS + OPENMP), version,
              platform.machine(), " ".join(sorted(cpu_flags())) or platform.processor()]
