@@ -178,28 +178,10 @@ inline __m512 sum_lanes_16(const __m512 v[16]) {
 }
 #endif
 
-// y[0 .. ROWS, 0 .. 4] = x rows . w rows (4 rows of the scratch, K floats each) (+ bias).
+// Without AVX-512: y[0 .. ROWS, 0 .. 4] = x rows . w rows (4 rows of the scratch, K floats
+// each) (+ bias), as plain loops (AVX-512 builds take small_batch_tile and linear_wide).
 template <int ROWS>
 void tile(const float* x, const float* w, const float* bias, float* y, int K, int N) {
-#ifdef __AVX512F__
-    if (K % 16 == 0) {
-        __m512 acc[16];    // acc[4r + c]: x row r . w row c, in 16 lanes
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        for (int k = 0; k < K; k += 16) {
-            __m512 b[4];
-            for (int c = 0; c < 4; ++c) b[c] = _mm512_loadu_ps(w + int64_t(c) * K + k);
-            for (int r = 0; r < ROWS; ++r) {
-                const __m512 a = _mm512_loadu_ps(x + int64_t(r) * K + k);
-                for (int c = 0; c < 4; ++c) acc[4 * r + c] = _mm512_fmadd_ps(a, b[c], acc[4 * r + c]);
-            }
-        }
-        alignas(64) float sums[16];
-        _mm512_store_ps(sums, sum_lanes_16(acc));
-        for (int r = 0; r < ROWS; ++r)
-            for (int c = 0; c < 4; ++c) y[int64_t(r) * N + c] = sums[4 * r + c] + (bias ? bias[c] : 0.f);
-        return;
-    }
-#endif
     for (int r = 0; r < ROWS; ++r)
         for (int c = 0; c < 4; ++c) {
             float sum = 0.f;
