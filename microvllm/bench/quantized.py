@@ -199,6 +199,33 @@ def bench_quantization(args) -> None:
     print("(tok/s of a decode-only step = batch / its median seconds; start = LLM() (HF: model + "
           "tokenizer), warm; RSS added over a process with torch and transformers imported; budget = "
           "(weights + KV cache) x 1.25; llama.cpp: one request, its own Python API)")
+    report_quality(formats)
+
+
+# A quantized format passes when its perplexity on quality.PARAGRAPHS is within this
+# fraction of float32's (Q4_1 native computes with float32's own values: it should be equal).
+PERPLEXITY_BOUND = 0.05
+
+
+def report_quality(formats: dict) -> None:
+    """Greedy agreement with f32 on 32 fixed prompts (logit margins where they part) and
+    perplexity on fixed paragraphs, each format against the first (f32); in this process."""
+    from microvllm import LLM
+    from microvllm.bench.quality import PARAGRAPHS, PROMPTS, describe, greedy_agreement, perplexity
+
+    print(f"\nquality against f32: greedy outputs of {len(PROMPTS)} fixed prompts (32 tokens) and perplexity "
+          f"of {len(PARAGRAPHS)} fixed paragraphs (bound: within {PERPLEXITY_BOUND:.0%} of f32)")
+    engines = {name: LLM(model=model, quantization=quantization, kv_cache_memory_bytes=128 << 20)
+               for name, (model, quantization) in formats.items()}
+    reference_name, reference = next(iter(engines.items()))
+    base = perplexity(reference)
+    print(f"{reference_name}: perplexity {base:.3f}")
+    for name, llm in list(engines.items())[1:]:
+        same, divergences = greedy_agreement(reference, llm)
+        ppl = perplexity(llm)
+        verdict = "within" if abs(ppl - base) <= PERPLEXITY_BOUND * base else "OUTSIDE"
+        print(f"{name}: perplexity {ppl:.3f} ({ppl / base - 1:+.1%}, {verdict} the bound); "
+              + describe(name, same, divergences, len(PROMPTS)).split(": ", 1)[1])
 
 
 def main(argv: list[str] | None = None) -> int:
