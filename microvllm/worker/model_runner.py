@@ -94,7 +94,8 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
                  seed: int, sampler_class: type[Sampler] = Sampler,
                  block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None, device="cpu",
-                 drafter=None, rejection_sampler_class: type[RejectionSampler] = RejectionSampler):
+                 drafter=None, rejection_sampler_class: type[RejectionSampler] = RejectionSampler,
+                 disable_by_batch_size: int | None = None):
         # Where the model and its inputs are, with its index ("cuda:0") as tensors and
         # generators report theirs.
         self.model, self.device = model, torch.empty(0, device=device).device
@@ -111,7 +112,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Speculative decoding (None: off): proposes each request's next drafts after it
         # samples (spec_decode/); the rejection sampler checks them at the next step.
-        self.drafter = drafter
+        self.drafter, self.disable_by_batch_size = drafter, disable_by_batch_size
         self.rejection_sampler = rejection_sampler_class(self.sampler.generator)
         max_blocks = -(-max_model_len // block_size)
         self.block_tables = [block_table_class(max_num_seqs, max_blocks, block_size)
@@ -332,6 +333,9 @@ class ModelRunner:
         Structured requests get none: their drafts would need the grammar too."""
         if self.drafter is None:
             return
+        limit = self.disable_by_batch_size
+        if limit is not None and len(plan.num_scheduled_tokens) >= limit:
+            return   # a batch this large gains nothing from drafts
         rooms = []
         for state in sampled_states:
             room = self.max_model_len - len(state.token_ids) - 1
