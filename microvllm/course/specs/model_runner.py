@@ -34,7 +34,7 @@ cache group (it builds *your* `BlockTable`).""")),
     contract="""
 `slot_mapping(batch_table, request_index, positions)` returns, for every token `t` of the step,
 `batch_table[request_index[t], positions[t] // block_size] * block_size + positions[t] % block_size`
-as an int64 tensor of shape `[num_tokens]` (vectorized: one indexing op, no Python loop).
+as an int64 tensor of shape `[num_tokens]` (vectorized: one indexing op, no Python loop over tokens).
 
 `_prepare_inputs(plan)` lays out every scheduled request's tokens as one contiguous run of rows
 (in any request order; the engine puts decodes first and says so with `num_decodes`) and returns
@@ -48,8 +48,15 @@ logits_indices)` (a small dataclass: `req_ids` and `states` in row order):
   and the host copies `query_start_loc_cpu` / `seq_lens_cpu`;
 - `attn_metadata`: that list, one per cache group;
 - `sampling_req_indices`: the batch indices of the requests whose chunk reaches their last known token
-  (`c + n == len(token_ids)`); a partial prefill chunk samples nothing;
+  (`c + n == len(token_ids)`); a partial prefill chunk samples nothing. "Known" counts every token
+  the runner holds: a request resumed after preemption arrives as a new request whose
+  `NewRequestData` carries its prompt *and* the tokens it had generated, and recomputes them all
+  before it samples again;
 - `logits_indices`: for each of those, its last row, `query_start_loc[i + 1] - 1`.
+
+Only `slot_mapping` must do without a Python loop over tokens. The engine's `_prepare_inputs` builds
+positions, `query_start_loc` and the slots with tensor operations, but gathers `input_ids` with a
+Python comprehension over each request's token list (`token_ids` is a Python list); you may too.
 """,
     hints=(
         """Slot mapping is two gathers and an add: `batch_table[request_index, positions // B]`
@@ -57,15 +64,31 @@ gives each token's physical block id (cast it `.long()`), then `* B + positions 
         """Build `request_index` (which request each row belongs to) with
 `torch.repeat_interleave(torch.arange(num_reqs), counts)`; `query_start_loc` is a 0 followed by
 `counts.cumsum(0)`; a row's offset inside its chunk is `arange(num_tokens) - query_start_loc[request_index]`.""",
-        """The metadata loop:
+        """Before you run this, write down the step's rows: request `a` (10 prompt tokens, 4 cached,
+6 scheduled) and request `b`, resumed after preemption (3 prompt + 2 output tokens, 4 scheduled).
+Which request samples a token this step, and from which row? Is `b`'s chunk the end of its prompt, or
+of everything it knows?
 ```python
-for table in self.block_tables:
-    batch_table = table.gather(req_ids, max_blocks)
-    metadata.append(AttentionMetadata(
-        num_actual_tokens=num_tokens, max_query_len=max(num_scheduled), max_seq_len=max(seq_lens_cpu),
-        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=batch_table,
-        slot_mapping=table.slot_mapping(batch_table, request_index, positions),
-        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu, num_decodes=num_decodes))
+# Test case: paste it into a new cell and run it (it uses your classes above)
+from microvllm.checks.model_runner import RecordingModel
+from microvllm.core.sched_output import NewRequestData, SchedulerOutput
+from microvllm.sampling_params import SamplingParams
+runner = ModelRunner(RecordingModel(num_groups=1), [], block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                     max_model_len=64, eos_token_ids=set(), seed=0)
+greedy = SamplingParams(temperature=0.0)
+plan = SchedulerOutput(
+    (NewRequestData("a", tuple(range(10, 20)), (), greedy, ((1, 2, 3),), 4),   # 10 prompt tokens, 4 cached
+     NewRequestData("b", (7, 8, 9), (5, 6), greedy, ((4, 5),), 0)),          # resumed: 3 prompt + 2 output tokens
+    (), {"a": 6, "b": 4}, 10)
+runner._update_states(plan)
+inputs = runner._prepare_inputs(plan)
+metadata = inputs.attn_metadata[0]
+assert inputs.req_ids == ["a", "b"], inputs.req_ids
+assert inputs.input_ids.tolist() == [14, 15, 16, 17, 18, 19, 7, 8, 9, 5], inputs.input_ids
+assert inputs.positions.tolist() == [4, 5, 6, 7, 8, 9, 0, 1, 2, 3], inputs.positions
+assert (metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()) == ([0, 6, 10], [10, 4])
+assert metadata.slot_mapping.tolist() == [8, 9, 10, 11, 12, 13, 16, 17, 18, 19], metadata.slot_mapping
+assert (inputs.sampling_req_indices, inputs.logits_indices.tolist()) == ([0], [5]), inputs.sampling_req_indices
 ```""",
     ),
     checks=("check_slot_mapping(BlockTable)", "check_prepare_inputs(ModelRunner)"),

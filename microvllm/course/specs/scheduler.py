@@ -70,15 +70,22 @@ while blocks is None:
 if blocks is None:
     break
 ```""",
-        """The admission loop header and its first lines:
+        """Before you run this, predict each step's plan: why does `d` wait in step 0 although the budget
+has room? Whom does step 1 preempt, and why that one? In step 5, `b` is preempted and frees 3 blocks,
+and `d` needs only 2: why does `d` still not run?
 ```python
-while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-    request = self.waiting[0]
-    hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-    num_new_tokens = request.num_tokens - num_hit_tokens
-    if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-        break
-    num_new_tokens = self._cap_new_tokens(request, num_hit_tokens, token_budget)
+# Test case: paste it into a new cell and run it (it uses your Scheduler above)
+from microvllm.checks.fakes import make_request, make_scheduler, run_steps
+# 6 usable blocks of 4 tokens; four 8-token prompts (2 blocks each) that write 10 tokens each
+scheduler, runner = make_scheduler(scheduler_class=Scheduler, num_blocks=7, max_num_batched_tokens=32)
+for request_id in "abcd":
+    scheduler.add_request(make_request(request_id, [ord(request_id)] * 8, 4, max_tokens=10))
+plans = [record.output for record in run_steps(scheduler, runner, until_done=False, num_steps=6)]
+scheduled = [dict(plan.num_scheduled_tokens) for plan in plans]
+preempted = [sorted(plan.preempted_req_ids) for plan in plans]
+assert scheduled == [{"a": 8, "b": 8, "c": 8}, {"a": 1, "b": 1}, {"a": 1, "b": 1}, {"a": 1, "b": 1},
+                     {"a": 1, "b": 1}, {"a": 1}], scheduled
+assert preempted == [[], ["c"], [], [], [], ["b"]], preempted
 ```""",
     ),
     checks=("check_scheduler(Scheduler)",),
