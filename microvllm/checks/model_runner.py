@@ -20,6 +20,25 @@ from microvllm.core.sched_output import CachedRequestData, NewRequestData, Sched
 from microvllm.sampling_params import SamplingParams
 from microvllm.worker.model_runner import ModelInputs
 
+_RESUMED_RULE = ("a request resumed after preemption arrives as a new request whose NewRequestData carries its "
+                 "prompt and output tokens, recomputed in chunks: sample only when a chunk reaches "
+                 "len(state.token_ids) (every known token), not the prompt's length; check_prepare_inputs tests it")
+# Crashes of the engine cell with the learner's runner: (pattern in the error, what to change).
+MODEL_RUNNER_HINTS = [
+    (r"no sampled token for request", "the runner must sample for every request whose chunk reaches its last "
+                                      "known token; " + _RESUMED_RULE),
+]
+
+
+def runner_hint(trace, wrong: list[str]) -> str:
+    """What to look at when the engine cell's tokens differ for the prompts ``wrong``."""
+    preempted = {request_id for step in (trace or []) for request_id in step.preempted}
+    if wrong and set(wrong) <= preempted:
+        return f"prompt{'s' if len(wrong) > 1 else ''} {', '.join(wrong)} {'were' if len(wrong) > 1 else 'was'} " \
+               f"preempted and resumed: {_RESUMED_RULE}"
+    return ("every row must come from its own request: input_ids, positions and the sampling rows "
+            "(check_prepare_inputs shows which)")
+
 
 class RecordingModel:
     """A stand-in model: records the flat inputs; the hidden state of row t of step s

@@ -93,9 +93,11 @@ assert (inputs.sampling_req_indices, inputs.logits_indices.tolist()) == ([0], [5
     ),
     checks=("check_slot_mapping(BlockTable)", "check_prepare_inputs(ModelRunner)"),
     engine_intro="""`components={"block_table": BlockTable, "model_runner": ModelRunner}` makes the
-worker build your runner, which keeps your block tables and prepares every step's inputs. A budget
-of 32 tokens mixes prefill chunks and decodes in one step; one prompt is greedy, the others sample
-with their own seeds (so your runner must hand each row its own request's parameters). The tokens
-must equal the reference engine's.""",
+worker build your runner, which keeps your block tables and prepares every step's inputs. Six prompts,
+one greedy and five sampling with their own seeds (so your runner must hand each row its own request's
+parameters), in blocks of 8 with a budget of 8 tokens and 7 usable blocks: steps mix prefill chunks
+and decodes, and requests are preempted, then resumed with their prompt and output tokens recomputed
+in chunks (so which rows sample must follow all known tokens, not the prompt). The tokens must equal
+the reference engine's.""",
     engine='run_engine_with({"block_table": BlockTable, "model_runner": ModelRunner})',
 )
