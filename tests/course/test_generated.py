@@ -118,6 +118,26 @@ def test_the_hints_together_do_not_give_a_block_away(exercise):
             f"{exercise.slug}: the hints show {len(set(shown))} of a solution block's {len(block)} lines")
 
 
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
+def test_the_given_code_does_not_hold_a_solution(exercise):
+    """The code an exercise hands over (every line outside the solution blocks, given parts
+    included) holds less than half of any solution block's lines: a given helper that repeats
+    the answer (01's ``_flush`` once held ``_decode_next``'s body) gives the exercise away."""
+    given = set()
+    for part in exercise.parts:
+        inside = False
+        for line in part.source().splitlines():
+            if line.strip() in (build.MARK_BEGIN, build.MARK_END):
+                inside = line.strip() == build.MARK_BEGIN
+            elif not inside:
+                given.add(_squash(line))
+    for block in _solution_lines(exercise):
+        repeated = [line for line in block if line in given]
+        assert len(repeated) < max(1, (len(block) + 1) // 2), (
+            f"{exercise.slug}: the given code repeats {len(repeated)} of a solution block's {len(block)} lines: "
+            f"{repeated}; mark the helper as a solution block too, or restructure it")
+
+
 def test_the_rules_see_a_transcribed_hint():
     """The two rules are live: a last hint that pastes a solution block fails both."""
     exercise = next(e for e in EXERCISES if e.slug == "token_mask")
