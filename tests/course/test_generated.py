@@ -167,6 +167,24 @@ def test_hint_test_cases_pass(exercise):
         exec(compile(code, f"<{exercise.slug} hint test case>", "exec"), _exercise_namespace(exercise))
 
 
+def test_a_hint_test_case_fails_wrong_code():
+    """The test cases can fail: the model runner's fails both runners that pick the sampling rows
+    by the prompt's length, and the detokenizer's one that decodes each token alone."""
+    from tests.course.mutants import sampling_rule_mutants
+    from tests.course.test_checkers import DecodesEachTokenAlone
+
+    def run(slug, **yours):
+        exercise = next(e for e in EXERCISES if e.slug == slug)
+        code = next(b for b in _hint_blocks(exercise.hints[-1]) if b.startswith(TEST_CASE))
+        namespace = {**_exercise_namespace(exercise), **yours}
+        with pytest.raises(AssertionError):
+            exec(compile(code, f"<{slug} hint test case>", "exec"), namespace)
+
+    for runner in sampling_rule_mutants().values():
+        run("model_runner", ModelRunner=runner)
+    run("detokenizer", IncrementalDetokenizer=DecodesEachTokenAlone)
+
+
 def test_every_marked_block_in_the_package_is_an_exercise():
     marked = {}
     for path in (ROOT / "microvllm").rglob("*.py"):

@@ -65,9 +65,10 @@ gives each token's physical block id (cast it `.long()`), then `* B + positions 
 `torch.repeat_interleave(torch.arange(num_reqs), counts)`; `query_start_loc` is a 0 followed by
 `counts.cumsum(0)`; a row's offset inside its chunk is `arange(num_tokens) - query_start_loc[request_index]`.""",
         """Before you run this, write down the step's rows: request `a` (10 prompt tokens, 4 cached,
-6 scheduled) and request `b`, resumed after preemption (3 prompt + 2 output tokens, 4 scheduled).
-Which request samples a token this step, and from which row? Is `b`'s chunk the end of its prompt, or
-of everything it knows?
+6 scheduled), and two requests resumed after preemption: `b` (3 prompt + 2 output tokens, 4
+scheduled) and `c` (2 prompt + 1 output token, 3 scheduled). Which requests sample a token this
+step, and from which rows? Where does each chunk end: at the end of its prompt, or of everything
+the request knows?
 ```python
 # Test case: paste it into a new cell and run it (it uses your classes above)
 from microvllm.checks.model_runner import RecordingModel
@@ -78,17 +79,22 @@ runner = ModelRunner(RecordingModel(num_groups=1), [], block_size=4, max_num_seq
 greedy = SamplingParams(temperature=0.0)
 plan = SchedulerOutput(
     (NewRequestData("a", tuple(range(10, 20)), (), greedy, ((1, 2, 3),), 4),   # 10 prompt tokens, 4 cached
-     NewRequestData("b", (7, 8, 9), (5, 6), greedy, ((4, 5),), 0)),          # resumed: 3 prompt + 2 output tokens
-    (), {"a": 6, "b": 4}, 10)
+     NewRequestData("b", (7, 8, 9), (5, 6), greedy, ((4, 5),), 0),           # resumed: 3 prompt + 2 output tokens
+     NewRequestData("c", (1, 2), (3,), greedy, ((6,),), 0)),                 # resumed: 2 prompt + 1 output token
+    (), {"a": 6, "b": 4, "c": 3}, 13)
 runner._update_states(plan)
 inputs = runner._prepare_inputs(plan)
 metadata = inputs.attn_metadata[0]
-assert inputs.req_ids == ["a", "b"], inputs.req_ids
-assert inputs.input_ids.tolist() == [14, 15, 16, 17, 18, 19, 7, 8, 9, 5], inputs.input_ids
-assert inputs.positions.tolist() == [4, 5, 6, 7, 8, 9, 0, 1, 2, 3], inputs.positions
-assert (metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()) == ([0, 6, 10], [10, 4])
-assert metadata.slot_mapping.tolist() == [8, 9, 10, 11, 12, 13, 16, 17, 18, 19], metadata.slot_mapping
-assert (inputs.sampling_req_indices, inputs.logits_indices.tolist()) == ([0], [5]), inputs.sampling_req_indices
+qsl = metadata.query_start_loc.tolist()     # any request order is fine: compare request by request
+rows = {req_id: (inputs.input_ids[qsl[i]:qsl[i + 1]].tolist(), inputs.positions[qsl[i]:qsl[i + 1]].tolist(),
+                 metadata.seq_lens[i].item(), metadata.slot_mapping[qsl[i]:qsl[i + 1]].tolist())
+        for i, req_id in enumerate(inputs.req_ids)}
+assert rows == {"a": ([14, 15, 16, 17, 18, 19], [4, 5, 6, 7, 8, 9], 10, [8, 9, 10, 11, 12, 13]),
+                "b": ([7, 8, 9, 5], [0, 1, 2, 3], 4, [16, 17, 18, 19]),
+                "c": ([1, 2, 3], [0, 1, 2], 3, [24, 25, 26])}, rows
+sampling = [inputs.req_ids[i] for i in inputs.sampling_req_indices]
+assert sorted(sampling) == ["a", "c"], sampling
+assert inputs.logits_indices.tolist() == [qsl[inputs.req_ids.index(r) + 1] - 1 for r in sampling], inputs.logits_indices
 ```""",
     ),
     checks=("check_slot_mapping(BlockTable)", "check_prepare_inputs(ModelRunner)"),

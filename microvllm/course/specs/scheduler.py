@@ -57,19 +57,18 @@ new_blocks, num_scheduled_tokens, preempted, prefix_hits)` (which also advances
 `max_model_len`, `_preempt` frees the blocks and requeues the request at the front, `_make_output`
 freezes the plan. `scheduled_running` is the running requests that got tokens, in `self.running`
 order.""",
-        """The preemption loop:
+        """The shape of the preemption loop (the `...` are yours; the contract says whom to pick):
 ```python
 blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
 while blocks is None:
-    victim = self.running.pop()        # the most recently admitted
-    self._preempt(victim)
-    preempted.append(victim)
+    victim = ...                       # which running request gives its blocks back?
+    ...                                # preempt it, and remember it for the plan
     if victim is request:
         break
     blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-if blocks is None:
-    break
-```""",
+```
+If `blocks` is still `None` after the loop, the request preempted itself: what happens to the
+running requests after it this step?""",
         """Before you run this, predict each step's plan: why does `d` wait in step 0 although the budget
 has room? Whom does step 1 preempt, and why that one? In step 5, `b` is preempted and frees 3 blocks,
 and `d` needs only 2: why does `d` still not run?
