@@ -35,6 +35,7 @@ from tests.course.mutants import (
     TrieWalksThroughDead,
     mutant,
     rejection_mutants,
+    sampling_rule_mutants,
 )
 
 
@@ -379,6 +380,9 @@ def test_prepare_inputs_checker():
     caught(checks.check_prepare_inputs(LogitsFromFirstRow, quiet=True), r"logits must come from the request's last row")
     caught(checks.check_prepare_inputs(ReturnsATuple, quiet=True), r"must return a ModelInputs, got a tuple")
     caught(checks.check_prepare_inputs(Int64Offsets, quiet=True), r"query_start_loc must be int32")
+    for name, runner in sampling_rule_mutants().items():   # right for fresh requests, wrong when resumed
+        caught(checks.check_prepare_inputs(runner, quiet=True),
+               r"resumed after preemption.*Compare seq_len with len\(state.token_ids\), not with the prompt's length")
 
     class Todo(ModelRunner):
         def _prepare_inputs(self, plan):
