@@ -14,7 +14,16 @@ from types import SimpleNamespace
 
 import torch
 
-from microvllm.checks.report import Case, CheckResult, expect, expect_equal, property_settings, run_checks, run_property
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
 from microvllm.checks.slot_mapping import B, _slots
 from microvllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from microvllm.sampling_params import SamplingParams
@@ -238,6 +247,11 @@ def _returns_model_inputs(prepare_inputs):
 
     def checked(plan):
         inputs = prepare_inputs(plan)
+        if type(inputs).__name__ == "ModelInputs" and not isinstance(inputs, ModelInputs):
+            raise CheckFailure("_prepare_inputs returned a ModelInputs of another class of that name (its "
+                               "module was imported or defined twice)",
+                               hint="use microvllm.worker.model_runner.ModelInputs (the engine's), and do "
+                                    "not redefine it or reload its module")
         expect(isinstance(inputs, ModelInputs),
                f"_prepare_inputs must return a ModelInputs, got a {type(inputs).__name__}",
                hint="end with return ModelInputs(req_ids=..., states=..., input_ids=..., positions=..., "
