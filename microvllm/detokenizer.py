@@ -165,21 +165,21 @@ class IncrementalDetokenizer:
         ### END SOLUTION
 
     def _flush(self) -> str:
-        """At the end, the held-back text is final even if it ends in "�"
-        (the model really produced bytes that are not valid UTF-8)."""
+        """The held-back text, final at the end even if it ends in "�" (bytes that are not UTF-8)."""
+        ### BEGIN SOLUTION
         tokens = self.output_token_ids
         prefix_text = self._decode(tokens[self.prefix_offset:self.read_offset])
         new_text = self._decode(tokens[self.prefix_offset:])
         self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
         return new_text[len(prefix_text):]
+        ### END SOLUTION
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _next_delta(self) -> str:
         """output_text minus what was already returned, minus the stop-string buffer."""
-        buffer = 0 if self.finished else self.stop_buffer_length
-        end = len(self.output_text) - buffer
+        end = len(self.output_text) - (0 if self.finished else self.stop_buffer_length)
         if end <= self._num_emitted_chars:
             return ""
         delta = self.output_text[self._num_emitted_chars:end]

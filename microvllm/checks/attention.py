@@ -126,6 +126,19 @@ def _diagnose(got, query, kv_cache, metadata, scale, window, tol) -> str:
         wrong = _decode_with_shifted_mask(query, kv_cache, metadata, scale, window, **shift)
         if torch.allclose(got.float(), wrong[:n].float(), **tol):
             return hint
+    # Right within one page, wrong across pages: what carries from page to page is wrong.
+    reference = paged_attention_torch(query, kv_cache, metadata, scale=scale, sliding_window=window)[:n]
+    row_error = (got.float()[:n] - reference.float()).abs().flatten(1).amax(dim=1)
+    qsl, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
+    block_size = kv_cache.shape[2]
+    pages = {qsl[i]: -(-seq_lens[i] // block_size) for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1}
+    one_page = [row_error[row] <= tol["atol"] for row, num in pages.items() if num <= 1 and row < n]
+    several = [row_error[row] <= tol["atol"] for row, num in pages.items() if num > 1 and row < n]
+    if one_page and several and all(one_page) and not any(several):
+        return ("requests whose keys fit in one page are right, those over several pages are wrong: the "
+                "fault is in what carries from one page to the next. When the running max grows, the sums "
+                "so far must be rescaled: alpha = exp(m - m_new); l = l * alpha + sum(p); acc = acc * alpha "
+                "+ sum(p[:, None] * v); then m = m_new")
     return ("check the online softmax: m_new = max(m, max(s)); p = exp(s - m_new); alpha = exp(m - m_new); "
             "l = l * alpha + sum(p); acc = acc * alpha + sum(p[:, None] * v); out = acc / l; and that "
             "kv_head = head // NUM_QUERIES_PER_KV")

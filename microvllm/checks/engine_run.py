@@ -17,8 +17,11 @@ with the engine's own (the reference), same settings, same seeds — and prints 
     hash_block_tokens=     prefixes, a block whose tokens recur      cached blocks
                            after another parent, a salted repeat,
                            a resumed request's hit on its output
-    sampler, model_runner  greedy rows and seeded random rows with   the tokens (a seeded request draws the
+    sampler                greedy rows and seeded random rows with   the tokens (a seeded request draws the
                            temperature, top-k, top-p, min-p          same tokens from the same logits)
+    model_runner,          6 of those prompts, budget 8, 7 blocks    the tokens
+    block_table            of 8: mixed steps, requests preempted
+                           and resumed (prompt + outputs again)
     token_trie             5 prompts, each under a regex (the        the tokens, and each text matches its
                            course backend), greedy and seeded        regex (or can still, if cut by max_tokens)
     rejection_sampler      6 self-repeating prompts, n-gram drafts,  the tokens, and at every step the drafts
@@ -223,7 +226,7 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
         if workload.steps and yours.trace is not None:  # a wrong decision may have led to the crash
             earlier = first_difference(reference.trace, yours.trace, who=who, blocks=workload.blocks,
                                        partial=True, hits_hint=hits_hint)
-        return _crashed(yours, label, quiet, earlier)
+        return _crashed(yours, label, quiet, earlier, components)
 
     lines = []
     say = lines.append
@@ -257,6 +260,10 @@ def run_engine_with(components: dict | None = None, *, label: str | None = None,
     if not same and "sampler" in components:
         wrong = [reference.samples(r) != yours.samples(r) for r in ids]
         say(f"    hint: {sampling_hint(workload.params, wrong)}")
+    if not same and "model_runner" in components:
+        from microvllm.checks.model_runner import runner_hint
+
+        say(f"    hint: {runner_hint(reference.trace, [r for r in ids if reference.tokens(r) != yours.tokens(r)])}")
     difference = None
     if "speculative_config" in settings and settings["speculative_config"].get("method") == "ngram":
         prompt_ids = {r: list(out.prompt_token_ids) for r, out in reference.outputs.items()}
@@ -344,7 +351,7 @@ def _notes(trace) -> list[str]:
     return notes
 
 
-def _crashed(run: _Run, label: str, quiet: bool, earlier=None) -> EngineRunResult:
+def _crashed(run: _Run, label: str, quiet: bool, earlier=None, components=()) -> EngineRunResult:
     exc = run.error
     todo = not_implemented_message(exc)
     if todo is not None:
@@ -356,6 +363,10 @@ def _crashed(run: _Run, label: str, quiet: bool, earlier=None) -> EngineRunResul
 
             text = "\n".join(lines)
             known = POOL_HINTS + SCHEDULER_HINTS + SPEC_HINTS
+            if "model_runner" in components:   # its hints first: a runner's crash is about the runner
+                from microvllm.checks.model_runner import MODEL_RUNNER_HINTS
+
+                known = MODEL_RUNNER_HINTS + known
             hint = next((h for pattern, h in known if re.search(pattern, text)), None)
             if hint:
                 lines.append(f"hint:     {hint}")

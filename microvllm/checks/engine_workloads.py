@@ -20,6 +20,9 @@ engine settings chosen so that a wrong component changes the tokens or a step's 
     SAMPLED_RUN    one greedy prompt and five seeded ones, each with its own filter (top-k, top-p,
                    min-p, none, all three), then one prompt per filter with n=16 seeded samples at
                    temperature 1 (192 draws each): a bug in one filter changes that prompt's tokens
+    MODEL_RUNNER_RUN  the greedy prompt and the five seeded ones of SAMPLED_RUN in blocks of 8, a budget of
+                   8 tokens and 7 usable blocks: mixed steps, and requests preempted and resumed, whose
+                   prompt + output tokens are recomputed in chunks (the rule for which rows sample)
     DETOKENIZER_RUN  the 4 prompts and one more: stop strings that straddle tokens and end just before
                    min_tokens, seeded prompts whose output splits characters over tokens; the text is
                    compared after every step, not only at the end
@@ -87,6 +90,10 @@ MANY_DRAWS = (dict(temperature=1.0, top_k=5, seed=21, n=16), dict(temperature=1.
 SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable",
                                                     "Top-k keeps", "Top-p keeps", "Min-p keeps"),
                        SAMPLED_PARAMS + MANY_DRAWS, (("max_num_batched_tokens", 32),))
+# Requests resumed after preemption recompute prompt + output tokens in chunks of at most 8: a runner
+# that decides which rows sample by the prompt's length samples mid-chunk (or not at the end).
+MODEL_RUNNER_RUN = Workload("model runner", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable"),
+                            SAMPLED_PARAMS, (("block_size", 8), ("num_kv_blocks", 8), ("max_num_batched_tokens", 8)))
 # The tiny model's own output (checked by tests/course/test_engine_run.py, which fails if it drifts):
 # greedy prompt 0 writes "\x1c" "it" "er" "(" ...: the stop string "ter(" straddles three tokens;
 # greedy prompt 1 writes "The" " plan" ...: with min_tokens=2 the search starts after " plan", so the
@@ -119,8 +126,8 @@ SPEC_DECODE_RUN = Workload(
      dict(temperature=0.7, top_k=5, seed=33), dict(temperature=0.3, top_p=0.9, seed=34)),
     (("speculative_config", SPEC_DECODE),))
 WORKLOADS = {"detokenizer": DETOKENIZER_RUN, "scheduler": SCHEDULER_RUN, "block_pool": PREFIX_RUN,
-             "kv_cache_manager": PREFIX_HASH_RUN, "sampler": SAMPLED_RUN, "model_runner": SAMPLED_RUN,
-             "block_table": SAMPLED_RUN, "token_trie": STRUCTURED_RUN,
+             "kv_cache_manager": PREFIX_HASH_RUN, "sampler": SAMPLED_RUN, "model_runner": MODEL_RUNNER_RUN,
+             "block_table": MODEL_RUNNER_RUN, "token_trie": STRUCTURED_RUN,
              "rejection_sampler": SPEC_DECODE_RUN}
 
 

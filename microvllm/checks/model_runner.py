@@ -14,11 +14,39 @@ from types import SimpleNamespace
 
 import torch
 
-from microvllm.checks.report import Case, CheckResult, expect, expect_equal, property_settings, run_checks, run_property
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    expect,
+    expect_equal,
+    property_settings,
+    run_checks,
+    run_property,
+)
 from microvllm.checks.slot_mapping import B, _slots
 from microvllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from microvllm.sampling_params import SamplingParams
 from microvllm.worker.model_runner import ModelInputs
+
+_RESUMED_RULE = ("a request resumed after preemption arrives as a new request whose NewRequestData carries its "
+                 "prompt and output tokens, recomputed in chunks: sample only when a chunk reaches "
+                 "len(state.token_ids) (every known token), not the prompt's length; check_prepare_inputs tests it")
+# Crashes of the engine cell with the learner's runner: (pattern in the error, what to change).
+MODEL_RUNNER_HINTS = [
+    (r"no sampled token for request", "the runner must sample for every request whose chunk reaches its last "
+                                      "known token; " + _RESUMED_RULE),
+]
+
+
+def runner_hint(trace, wrong: list[str]) -> str:
+    """What to look at when the engine cell's tokens differ for the prompts ``wrong``."""
+    preempted = {request_id for step in (trace or []) for request_id in step.preempted}
+    if wrong and set(wrong) <= preempted:
+        return f"prompt{'s' if len(wrong) > 1 else ''} {', '.join(wrong)} {'were' if len(wrong) > 1 else 'was'} " \
+               f"preempted and resumed: {_RESUMED_RULE}"
+    return ("every row must come from its own request: input_ids, positions and the sampling rows "
+            "(check_prepare_inputs shows which)")
 
 
 class RecordingModel:
@@ -63,9 +91,13 @@ class _Plan:
         self.blocks: dict[str, list[list[int]]] = {}
         self.next_block = 1
         self.known: set[str] = set()
+        self.num_prompt: dict[str, int] = {}
 
-    def add(self, req_id: str, prompt_len: int, index: int):
-        self.tokens[req_id] = [index * 1_000_000 + i for i in range(prompt_len)]
+    def add(self, req_id: str, prompt_len: int, index: int, num_outputs: int = 0):
+        """A request of ``prompt_len`` prompt tokens; ``num_outputs`` > 0: one resumed after
+        preemption, whose NewRequestData carries the tokens it had generated before it."""
+        self.tokens[req_id] = [index * 1_000_000 + i for i in range(prompt_len + num_outputs)]
+        self.num_prompt[req_id] = prompt_len
         self.computed[req_id] = 0
         self.blocks[req_id] = [[] for _ in range(self.num_groups)]
 
@@ -85,7 +117,9 @@ class _Plan:
             if req_id in self.known:
                 cached.append(CachedRequestData(req_id, tuple(fresh), start))
             else:
-                new.append(NewRequestData(req_id, tuple(self.tokens[req_id]), (), SamplingParams(temperature=0.0),
+                prompt_len = self.num_prompt[req_id]
+                new.append(NewRequestData(req_id, tuple(self.tokens[req_id][:prompt_len]),
+                                          tuple(self.tokens[req_id][prompt_len:]), SamplingParams(temperature=0.0),
                                           tuple(tuple(g) for g in self.blocks[req_id]), start))
                 self.known.add(req_id)
         return SchedulerOutput(tuple(new), tuple(cached), dict(scheduled), sum(scheduled.values()))
@@ -146,6 +180,15 @@ def check_prepare_inputs(runner_class, *, max_examples: int = 30, quiet: bool = 
                  story="then a 4-token chunk of a (8 cached, 14 tokens: no sample yet) with b, c decoding")
         run_step(model, runner, plan, {"a": 2, "b": 1}, story="a's last chunk and b's decode")
 
+    def resumed_after_preemption():
+        model, runner = make(1)
+        plan = _Plan(1)
+        plan.add("a", 6, 1, num_outputs=5)
+        story = ("request 'a' resumed after preemption: its NewRequestData carries 6 prompt tokens and the 5 "
+                 "output tokens it had generated (11 known tokens), recomputed in chunks of 4, 4, 3, then a decode")
+        for num in (4, 4, 3, 1):
+            run_step(model, runner, plan, {"a": num}, story=story)
+
     def two_cache_groups():
         model, runner = make(2)
         plan = _Plan(2)
@@ -163,10 +206,13 @@ def check_prepare_inputs(runner_class, *, max_examples: int = 30, quiet: bool = 
             model, runner = make(num_groups)
             plan = _Plan(num_groups)
             lengths = [rng.randint(1, 30) for _ in range(rng.randint(1, 5))]
+            # Some resumed after preemption: they arrive with the output tokens they had generated.
+            outputs = [rng.randint(1, 10) if rng.random() < 0.3 else 0 for _ in lengths]
             names = [f"r{i}" for i in range(len(lengths))]
-            for index, (name, length) in enumerate(zip(names, lengths)):
-                plan.add(name, length, index + 1)
-            story = f"{len(names)} requests with prompts of {lengths} tokens, random chunks, {num_groups} group(s)"
+            for index, (name, length, num_outputs) in enumerate(zip(names, lengths, outputs)):
+                plan.add(name, length, index + 1, num_outputs)
+            story = (f"{len(names)} requests with prompts of {lengths} tokens (resumed with {outputs} output "
+                     f"tokens), random chunks, {num_groups} group(s)")
             first = {}
             for _ in range(6):
                 scheduled, hits = {}, {}
@@ -189,6 +235,7 @@ def check_prepare_inputs(runner_class, *, max_examples: int = 30, quiet: bool = 
         Case("a new request that starts after its prefix-cache hit", prefix_hit),
         Case("a prompt in chunks, then decodes", chunks_then_decodes),
         Case("a mixed batch: prefill chunks and decodes together", mixed_batch),
+        Case("a request resumed after preemption: prompt + output tokens recomputed", resumed_after_preemption),
         Case("two cache groups get their own block tables and slots", two_cache_groups),
         Case(f"property: {max_examples} random multi-step schedules", random_steps),
     ]
@@ -200,6 +247,11 @@ def _returns_model_inputs(prepare_inputs):
 
     def checked(plan):
         inputs = prepare_inputs(plan)
+        if type(inputs).__name__ == "ModelInputs" and not isinstance(inputs, ModelInputs):
+            raise CheckFailure("_prepare_inputs returned a ModelInputs of another class of that name (its "
+                               "module was imported or defined twice)",
+                               hint="use microvllm.worker.model_runner.ModelInputs (the engine's), and do "
+                                    "not redefine it or reload its module")
         expect(isinstance(inputs, ModelInputs),
                f"_prepare_inputs must return a ModelInputs, got a {type(inputs).__name__}",
                hint="end with return ModelInputs(req_ids=..., states=..., input_ids=..., positions=..., "
@@ -266,14 +318,23 @@ def _compare(plan: _Plan, scheduled: dict[str, int], call: dict, sampled: dict, 
     # The fake model predicts the index of the row it is given: the sampled token is the row.
     qsl, order = call["metadata"][0]["query_start_loc"], order
     for i, req_id in enumerate(order):
-        due = plan.computed[req_id] + scheduled[req_id] == len(plan.tokens[req_id])
+        seq_len, num_known = plan.computed[req_id] + scheduled[req_id], len(plan.tokens[req_id])
+        num_prompt = plan.num_prompt[req_id]
+        due = seq_len == num_known
         who = f"{where}; request {req_id!r}"
+        # A resumed request knows more tokens than its prompt: comparing with the prompt's length
+        # samples in the middle of the recomputed output (or not at its end).
+        resumed = (f" The request was resumed after preemption: it knows {num_known} tokens ({num_prompt} prompt "
+                   f"+ {num_known - num_prompt} output, all in state.token_ids); this chunk ends at token "
+                   f"{seq_len}. Compare seq_len with len(state.token_ids), not with the prompt's length."
+                   if num_known > num_prompt and seq_len >= num_prompt else "")
         if due:
-            expect(req_id in sampled, "a request whose chunk reaches its last token must sample",
-                   input=who, hint="sample when seq_len == len(token_ids)")
+            expect(req_id in sampled, "a request whose chunk reaches its last known token must sample",
+                   input=who, hint="sample when seq_len == len(token_ids)." + resumed)
             expect_equal(sampled[req_id][0], qsl[i + 1] - 1,
                          "logits must come from the request's last row this step", input=who,
                          hint="logits_indices[i] = query_start_loc[i + 1] - 1")
         else:
-            expect(req_id not in sampled, "a partial prefill chunk must not sample a token", input=who,
-                   hint="only requests whose chunk reaches their last known token get logits")
+            expect(req_id not in sampled, "a chunk that ends before the request's last known token must not "
+                   "sample a token", input=who,
+                   hint="only requests whose chunk reaches their last known token get logits." + resumed)

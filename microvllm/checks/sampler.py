@@ -119,6 +119,16 @@ def check_sampler(sampler_class, *, num_samples: int = 4000, max_examples: int =
                    got=[round(v, 3) for v in observed.tolist()],
                    hint="divide the logits by the temperature (each row by its own) before the softmax")
 
+    def temperature_before_the_filters():
+        # p = [0.5, 0.3, 0.2]; at T = 0.5 it is [0.66, 0.24, 0.11], so top_p = 0.6 keeps only
+        # token 0. top_p on the unscaled p would keep 0 and 1 (the mass above 1 is 0.5 < 0.6).
+        probs = torch.tensor([0.5, 0.3, 0.2])
+        got = set(sample_many(SamplingParams(temperature=0.5, top_p=0.6), logits=probs.log()).tolist())
+        expect_equal(got, {0}, "the tokens drawn under SamplingParams(temperature=0.5, top_p=0.6)",
+                     input=f"probabilities {probs.tolist()}, {num_samples} draws",
+                     hint="divide by the temperature first, then top-k, top-p, min-p: top_p measures mass "
+                          "in the distribution the token is drawn from (at T=0.5: [0.66, 0.24, 0.11])")
+
     def filtered_is_renormalized():
         tokens = sample_many(SamplingParams(top_k=3), 20_000)
         observed = torch.bincount(tokens, minlength=8).float() / len(tokens)
@@ -184,6 +194,7 @@ def check_sampler(sampler_class, *, num_samples: int = 4000, max_examples: int =
         Case("top-k and top-p keep exactly the right tokens", support_is_exact),
         Case("each row uses its own request's filters", each_row_its_own_filter),
         Case("temperature reshapes the distribution as p^(1/T)", temperature_reshapes),
+        Case("temperature comes before the filters", temperature_before_the_filters),
         Case("filtered distributions are renormalized", filtered_is_renormalized),
         Case("a seeded request samples the same tokens wherever it sits in the batch", seeded_rows_are_independent),
         Case("unseeded rows follow the sampler's seed", unseeded_follow_the_sampler_seed),

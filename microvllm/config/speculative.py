@@ -17,6 +17,9 @@
                       draft's layers are the target's, so it shares the target's KV cache
     num_speculative_tokens   k: drafts per request per step (the target checks k + 1
                              positions in one forward)
+    disable_by_batch_size    no drafts in a step of at least this many requests (vLLM's
+                             name): a large batch already amortizes the weights' read, so
+                             drafts there cost more than they save (notebook 14, §7)
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None      # ngram: longest suffix looked up (tried first)
     model: str | None = None                  # draft_model: the draft's folder
     num_draft_layers: int | None = None       # layer_skip: the target's first N layers
+    disable_by_batch_size: int | None = None  # no drafts in steps with this many requests or more
 
     @property
     def uses_draft_model(self) -> bool:
@@ -83,6 +87,10 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config num_speculative_tokens={k!r}: give the number of draft "
                              "tokens per step, an int >= 1 (4 is a good start)")
+        limit = options.get("disable_by_batch_size")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 2):
+            raise ValueError(f"speculative_config disable_by_batch_size={limit!r}: give a batch size >= 2 "
+                             "from which on steps go without drafts, or leave it out")
         if method == "ngram":
             low, high = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
             if low is None and high is None:

@@ -143,7 +143,8 @@ def notebook_cells(exercise: Exercise, *, solution: bool) -> list[tuple[str, str
             raise ValueError(f"exercise {exercise.filename}: todos {unused} match no solution block")
     hints = "\n\n".join(f"<details><summary>Hint {i}</summary>\n\n{h.strip()}\n\n</details>"
                         for i, h in enumerate(exercise.hints, 1))
-    cells.append(("markdown", "text", "## Hints\n\nOpen one at a time; the last one is nearly the answer.\n\n"
+    cells.append(("markdown", "text", "## Hints\n\nOpen one at a time. The last one is a test case to run "
+                  "(predict its answers first), not the answer.\n\n"
                   + hints))
     cells.append(("markdown", "text", "## Check your code\n\nEach check prints ✓ lines, or ✗ with the failing "
                   "input, what was expected, what came back and a hint."))

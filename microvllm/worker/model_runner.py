@@ -94,7 +94,8 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
                  seed: int, sampler_class: type[Sampler] = Sampler,
                  block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None, device="cpu",
-                 drafter=None, rejection_sampler_class: type[RejectionSampler] = RejectionSampler):
+                 drafter=None, rejection_sampler_class: type[RejectionSampler] = RejectionSampler,
+                 disable_by_batch_size: int | None = None):
         # Where the model and its inputs are, with its index ("cuda:0") as tensors and
         # generators report theirs.
         self.model, self.device = model, torch.empty(0, device=device).device
@@ -109,9 +110,10 @@ class ModelRunner:
         if self.sampler.generator.device != self.device:   # noise is drawn where the logits are
             self.sampler.generator = make_generator(seed, self.device)
         self.requests: dict[str, CachedRequestState] = {}
+        self.paused_generators: dict[str, torch.Generator] = {}   # of preempted seeded requests
         # Speculative decoding (None: off): proposes each request's next drafts after it
         # samples (spec_decode/); the rejection sampler checks them at the next step.
-        self.drafter = drafter
+        self.drafter, self.disable_by_batch_size = drafter, disable_by_batch_size
         self.rejection_sampler = rejection_sampler_class(self.sampler.generator)
         max_blocks = -(-max_model_len // block_size)
         self.block_tables = [block_table_class(max_num_seqs, max_blocks, block_size)
@@ -123,17 +125,27 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- state
     def _update_states(self, plan) -> None:
+        for req_id in plan.preempted_req_ids:
+            # A seeded request's random stream continues where it stopped when the request
+            # resumes (as in vLLM): restarting it would replay the draws of its first tokens.
+            state = self.requests.get(req_id)
+            if state is not None and state.generator is not None:
+                self.paused_generators[req_id] = state.generator
+        for req_id in plan.finished_req_ids:
+            self.paused_generators.pop(req_id, None)
         for req_id in plan.finished_req_ids | plan.preempted_req_ids:
             self._remove(req_id)
         for new in plan.scheduled_new_reqs:
             self._remove(new.req_id)  # a resumed request starts over
             params = new.sampling_params
             seed = getattr(params, "seed", None)
+            generator = self.paused_generators.pop(new.req_id, None)
+            if generator is None and seed is not None:
+                generator = make_generator(seed)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
-                generator=make_generator(seed) if seed is not None else None,
-                num_computed_tokens=new.num_computed_tokens)
+                generator=generator, num_computed_tokens=new.num_computed_tokens)
             for table, ids in zip(self.block_tables, new.block_ids):
                 table.add_request(new.req_id, list(ids))
         for cached in plan.scheduled_cached_reqs:
@@ -332,6 +344,9 @@ class ModelRunner:
         Structured requests get none: their drafts would need the grammar too."""
         if self.drafter is None:
             return
+        limit = self.disable_by_batch_size
+        if limit is not None and len(plan.num_scheduled_tokens) >= limit:
+            return   # a batch this large gains nothing from drafts
         rooms = []
         for state in sampled_states:
             room = self.max_model_len - len(state.token_ids) - 1
@@ -364,7 +379,8 @@ class ModelRunner:
     def _make_generators_on_device(self, states: list[CachedRequestState]) -> None:
         """A seeded request's generator is made where the logits are (sampling noise is
         drawn there). ``_update_states`` made new ones on the CPU, from the seed, and none
-        has been drawn from yet: remake those elsewhere (nothing to do on a CPU)."""
+        has been drawn from yet: remake those elsewhere (nothing to do on a CPU). A resumed
+        request's generator was made here already and is kept."""
         for state in states:
             if state.generator is not None and state.generator.device != self.device:
                 state.generator = make_generator(state.sampling_params.seed, self.device)

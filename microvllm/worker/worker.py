@@ -91,7 +91,8 @@ class Worker:
             decode_step_runner=self.platform.decode_step_runner(
                 self.model, max_num_seqs=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len),
             device=self.platform.device, drafter=self._make_drafter(num_blocks),
-            rejection_sampler_class=component(components, "rejection_sampler", RejectionSampler))
+            rejection_sampler_class=component(components, "rejection_sampler", RejectionSampler),
+            disable_by_batch_size=getattr(self.config.speculative_config, "disable_by_batch_size", None))
         self.platform.process_weights_after_loading(self.model_runner.sampler)
 
     def _make_drafter(self, num_blocks: int):

@@ -140,3 +140,22 @@ def rejection_mutants() -> dict:
     }
     copies = {name: mutant(rejection_module, replacements) for name, replacements in bugs.items()}
     return {name: (copy.rejection_sample, copy.residual_probs) for name, copy in copies.items()}
+
+
+# ------------------------------------------------------- exercise 07: the model runner
+
+import microvllm.worker.model_runner as model_runner_module  # noqa: E402
+
+
+def sampling_rule_mutants() -> dict:
+    """name -> a ModelRunner whose _prepare_inputs picks the sampling rows by the prompt's length
+    instead of all known tokens: right for every fresh request, wrong for one resumed after
+    preemption (its NewRequestData carries prompt + output tokens, recomputed in chunks)."""
+    rule = "if s == len(n.token_ids)]"
+    bugs = {
+        "samples once past the prompt": [(rule, "if s >= n.num_prompt_tokens]")],
+        "samples at the prompt's end or on a decode": [(rule, "if s == n.num_prompt_tokens or num_scheduled[i] == 1]")],
+    }
+    # the copy returns the package's ModelInputs (the checker tests isinstance)
+    return {name: mutant(model_runner_module, replacements, ModelInputs=model_runner_module.ModelInputs).ModelRunner
+            for name, replacements in bugs.items()}

@@ -11,6 +11,7 @@ import torch
 
 import microvllm.attention.triton_kernels.decode as decode_module
 import microvllm.core.block_pool as block_pool_module
+import microvllm.core.kv_cache_manager as kv_cache_manager_module
 import microvllm.core.scheduler as scheduler_module
 import microvllm.detokenizer as detokenizer_module
 import microvllm.sample.sampler as sampler_module
@@ -35,6 +36,7 @@ from tests.course.mutants import (
     TrieWalksThroughDead,
     mutant,
     rejection_mutants,
+    sampling_rule_mutants,
 )
 
 
@@ -217,6 +219,11 @@ def test_get_computed_blocks_checker():
     caught(checks.check_get_computed_blocks(GroupsNeverRetry, quiet=True), r"must all retry at the shortest hit")
     caught(checks.check_get_computed_blocks(HitsCappedByThePrompt, quiet=True),
            r"resumed after preemption hits its generated tokens.*not by the prompt's length")
+    # The fourth walk's bug: the hit length counted in blocks, not tokens.
+    in_blocks = mutant(kv_cache_manager_module, [
+        ("shortest = min(len(blocks) for blocks in hits) * self.block_size",
+         "shortest = min(len(blocks) for blocks in hits)")]).KVCacheManager
+    caught(checks.check_get_computed_blocks(in_blocks, quiet=True), r"the hit is counted in tokens")
     todo(checks.check_get_computed_blocks(HitsTodo, quiet=True))
 
 
@@ -256,6 +263,15 @@ def test_sampler_checker():
     multiplies = mutant(sampler_module, [("logits = logits / torch.where(is_greedy, 1.0, temperature)",
                                           "logits = logits * torch.where(is_greedy, 1.0, temperature)")]).Sampler
     caught(checks.check_sampler(multiplies, quiet=True), r"temperature 0\.5 must give p\^\(1/T\)")
+    # The fourth walk's bug: temperature applied after top-k / top-p (top_p then measures the
+    # mass of the unscaled distribution); every other check passed it.
+    filters_first = mutant(sampler_module, [
+        ("        logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1)\n", ""),
+        ("        probs = logits.softmax(dim=-1)\n",
+         "        probs = (logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1))"
+         ".softmax(dim=-1)\n")]).Sampler
+    caught(checks.check_sampler(filters_first, quiet=True),
+           r"temperature=0\.5, top_p=0\.6.*divide by the temperature first")
 
     def shared_noise_only(probs, generators, shared_generator):
         return topk_module.random_sample(probs, {}, shared_generator)
@@ -379,6 +395,9 @@ def test_prepare_inputs_checker():
     caught(checks.check_prepare_inputs(LogitsFromFirstRow, quiet=True), r"logits must come from the request's last row")
     caught(checks.check_prepare_inputs(ReturnsATuple, quiet=True), r"must return a ModelInputs, got a tuple")
     caught(checks.check_prepare_inputs(Int64Offsets, quiet=True), r"query_start_loc must be int32")
+    for name, runner in sampling_rule_mutants().items():   # right for fresh requests, wrong when resumed
+        caught(checks.check_prepare_inputs(runner, quiet=True),
+               r"resumed after preemption.*Compare seq_len with len\(state.token_ids\), not with the prompt's length")
 
     class Todo(ModelRunner):
         def _prepare_inputs(self, plan):
@@ -404,6 +423,11 @@ def test_decode_kernel_checker():
                                             "visible = (key_pos > first_key) & (key_pos <= query_pos)")])
     caught(checks.check_decode_kernel(misses_first_key.decode_attention, quiet=True),
            r"leaves out the oldest visible key.*\(>=, not >\)")
+    # The fourth walk's bug: the sums not rescaled when the max grows (right within one page).
+    unrescaled = mutant(decode_module, [("        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)",
+                                         "        acc = acc + tl.sum(p[:, None] * v, axis=0)")])
+    caught(checks.check_decode_kernel(unrescaled.decode_attention, quiet=True),
+           r"keys fit in one page are right.*what carries from one page to the next")
     query_strides = mutant(decode_module, [
         ("tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims",
          "tl.store(out_ptr + token * stride_query_token + head * stride_query_head + dims")])

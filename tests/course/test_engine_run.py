@@ -204,6 +204,20 @@ def test_the_model_runner_cell_runs_seeded_rows_and_still_catches_wrong_position
     assert not result.same and "✗ Your code changed what the engine generates" in result.message, result.message
 
 
+def test_the_model_runner_cell_resumes_preempted_requests_and_catches_a_prompt_length_sampling_rule():
+    """The workload preempts requests and recomputes prompt + outputs in chunks of 8: a runner that
+    decides which rows sample by the prompt's length fails the cell (a seeded prompt diverges, or the
+    engine stops for a missing token), with the resumed-request hint."""
+    from microvllm.worker.block_table import BlockTable
+    from tests.course.mutants import sampling_rule_mutants
+
+    for name, runner in sampling_rule_mutants().items():
+        result = run_engine_with({"block_table": BlockTable, "model_runner": runner}, quiet=True)
+        assert not result.same, name
+        assert re.search(r"preemptions in \d+ steps?", result.message) or "stopped" in result.message, result.message
+        assert "hint:" in result.message and "resumed after preemption" in result.message, result.message
+
+
 class PoolHandsOutNewestThenCrashes(BlockPool):
     def get_new_blocks(self, num_blocks):
         blocks = self.free_block_queue.get_all_free_blocks()[::-1][:num_blocks]

@@ -47,21 +47,142 @@ def _squash(code: str) -> str:
     return re.sub(r"\s+", "", re.sub(r"#.*", "", code))
 
 
+TEST_CASE = "# Test case"   # the first line of a hint's code block that is a test to run, not an excerpt
+
+
+def _hint_blocks(hint: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", hint, re.S)
+
+
 def test_hint_code_agrees_with_the_solution():
     """A hint that shows code (a ```python block) shows the solution's own lines, so that
     changing the package cannot leave a stale hint behind. A line with "..." is an outline
-    (it leaves out what the learner writes) and is not compared."""
+    (it leaves out what the learner writes) and is not compared; a block that starts with
+    ``# Test case`` is a test for the learner to run (test_hint_test_cases_pass runs it)."""
     stale = []
     for exercise in EXERCISES:
         solution = _squash("\n".join(part.source() for part in exercise.parts))
         for hint in exercise.hints:
-            for block in re.findall(r"```python\n(.*?)```", hint, re.S):
+            for block in _hint_blocks(hint):
+                if block.startswith(TEST_CASE):
+                    continue
                 for line in block.splitlines():
                     code = _squash(line)
                     if code and "..." not in code and code not in solution:
                         stale.append(f"{exercise.slug}: {line.strip()}")
     assert not stale, "hint lines that are not in the solution:\n" + "\n".join(stale)
     assert any("```python" in hint for exercise in EXERCISES for hint in exercise.hints)  # it compares something
+
+
+def _solution_lines(exercise) -> list[list[str]]:
+    """Each solution block of the exercise: its code lines, squashed, long enough to mean something
+    (``return out``, ``else:`` or ``break`` occur anywhere)."""
+    blocks = []
+    for part in exercise.parts:
+        lines = part.source().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() == build.MARK_BEGIN:
+                end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == build.MARK_END)
+                squashed = (_squash(body) for body in lines[i + 1:end])
+                blocks.append([code for code in squashed if len(code) >= MIN_SOLUTION_LINE])
+    return blocks
+
+
+MIN_SOLUTION_LINE = 12      # squashed characters: "returnallowed" counts, "break" does not
+MAX_LINES_IN_LAST_HINT = 2  # a named call or an expression is a hint; more is the answer
+
+
+def _shown_lines(hint: str, blocks: list[list[str]]) -> list[str]:
+    """The solution lines a hint shows, in prose, inline code or a code block (whitespace ignored)."""
+    text = re.sub(r"\s+", "", hint)
+    return [line for block in blocks for line in block if line in text]
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
+def test_the_last_hint_is_not_the_answer(exercise):
+    """The last hint is a question or a test case to run, not the solution: it shows at most
+    MAX_LINES_IN_LAST_HINT lines of the solution blocks' code."""
+    shown = _shown_lines(exercise.hints[-1], _solution_lines(exercise))
+    assert len(shown) <= MAX_LINES_IN_LAST_HINT, (
+        f"{exercise.slug}: the last hint shows {len(shown)} lines of the solution: {shown}; make it a "
+        "question or a test case to run (a ```python block starting with '# Test case')")
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
+def test_the_hints_together_do_not_give_a_block_away(exercise):
+    """All hints together show less than half of any solution block's lines (the measure
+    test_no_spoilers uses for lectures)."""
+    for block in _solution_lines(exercise):
+        shown = [line for hint in exercise.hints for line in _shown_lines(hint, [block])]
+        assert len(set(shown)) < max(1, (len(block) + 1) // 2), (
+            f"{exercise.slug}: the hints show {len(set(shown))} of a solution block's {len(block)} lines")
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
+def test_the_given_code_does_not_hold_a_solution(exercise):
+    """The code an exercise hands over (every line outside the solution blocks, given parts
+    included) holds less than half of any solution block's lines: a given helper that repeats
+    the answer (01's ``_flush`` once held ``_decode_next``'s body) gives the exercise away."""
+    given = set()
+    for part in exercise.parts:
+        inside = False
+        for line in part.source().splitlines():
+            if line.strip() in (build.MARK_BEGIN, build.MARK_END):
+                inside = line.strip() == build.MARK_BEGIN
+            elif not inside:
+                given.add(_squash(line))
+    for block in _solution_lines(exercise):
+        repeated = [line for line in block if line in given]
+        assert len(repeated) < max(1, (len(block) + 1) // 2), (
+            f"{exercise.slug}: the given code repeats {len(repeated)} of a solution block's {len(block)} lines: "
+            f"{repeated}; mark the helper as a solution block too, or restructure it")
+
+
+def test_the_rules_see_a_transcribed_hint():
+    """The two rules are live: a last hint that pastes a solution block fails both."""
+    exercise = next(e for e in EXERCISES if e.slug == "token_mask")
+    blocks = _solution_lines(exercise)
+    pasted = "```python\n" + "\n".join(blocks[0]) + "\n```"
+    assert len(_shown_lines(pasted, blocks)) > MAX_LINES_IN_LAST_HINT
+    assert len(_shown_lines(pasted, blocks)) >= (len(blocks[0]) + 1) // 2
+
+
+def _exercise_namespace(exercise) -> dict:
+    """What a learner's notebook defines: the setup cell's imports and the parts (here the
+    package's own code, the solution)."""
+    namespace: dict = {}
+    exec(exercise.extra_setup_first + "\n" + exercise.setup, namespace)
+    for part in exercise.parts:
+        namespace[part.name] = part.obj
+    return namespace
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
+def test_hint_test_cases_pass(exercise):
+    """Every test case a hint gives passes on the package's code: its expected outputs are the
+    engine's, so a learner whose code disagrees has a bug, not a stale hint."""
+    cases = [block for hint in exercise.hints for block in _hint_blocks(hint) if block.startswith(TEST_CASE)]
+    assert cases or exercise.hints[-1].count("?") > 0, f"{exercise.slug}: no test case and no question"
+    for code in cases:
+        exec(compile(code, f"<{exercise.slug} hint test case>", "exec"), _exercise_namespace(exercise))
+
+
+def test_a_hint_test_case_fails_wrong_code():
+    """The test cases can fail: the model runner's fails both runners that pick the sampling rows
+    by the prompt's length, and the detokenizer's one that decodes each token alone."""
+    from tests.course.mutants import sampling_rule_mutants
+    from tests.course.test_checkers import DecodesEachTokenAlone
+
+    def run(slug, **yours):
+        exercise = next(e for e in EXERCISES if e.slug == slug)
+        code = next(b for b in _hint_blocks(exercise.hints[-1]) if b.startswith(TEST_CASE))
+        namespace = {**_exercise_namespace(exercise), **yours}
+        with pytest.raises(AssertionError):
+            exec(compile(code, f"<{slug} hint test case>", "exec"), namespace)
+
+    for runner in sampling_rule_mutants().values():
+        run("model_runner", ModelRunner=runner)
+    run("detokenizer", IncrementalDetokenizer=DecodesEachTokenAlone)
 
 
 def test_every_marked_block_in_the_package_is_an_exercise():

@@ -59,3 +59,20 @@ def test_default_model(default_model_folder, setting):
     llm = run_and_compare(default_model_folder, prompts, **settings)
     if setting == "preemption":
         assert llm.trace.preemption_steps()
+
+
+def test_seeded_sampling_is_unchanged_by_preemption(tiny_models):
+    """A seeded request's random stream continues where it stopped when it resumes after
+    preemption, so it samples what it would have sampled had it never been preempted
+    (restarting the stream would replay its first draws)."""
+    prompts = varied_prompts(512, count=8, seed=14)
+    params = [SamplingParams(temperature=1.0, max_tokens=24, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = {}
+    for name, settings in (("roomy", dict()), ("preempting", dict(num_kv_blocks=14, max_num_batched_tokens=64))):
+        llm = LLM(str(tiny_models["llama"]), max_model_len=256, trace=True, **settings)
+        outs[name] = [o.outputs[0].token_ids for o in
+                      llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        if name == "preempting":
+            assert llm.trace.preemption_steps(), "the pool was meant to be small enough to preempt"
+    assert outs["preempting"] == outs["roomy"]

@@ -131,6 +131,27 @@ def test_sampling_rules_and_logprobs_follow_each_draft_position(tiny_models, dra
                         assert lg[token].rank == lw[token].rank
 
 
+def test_disable_by_batch_size(tiny_models, draft_folder):
+    """No drafts in a step of at least disable_by_batch_size requests; drafts again when the
+    batch shrinks below it (the outputs stay the plain engine's)."""
+    folder = str(tiny_models["llama"])
+    prompts = self_repeating_prompts(seed=12)[:6]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(6)]
+    config = {**spec_configs(draft_folder)["ngram"], "disable_by_batch_size": 3}
+    llm = LLM(folder, max_model_len=256, trace=True, speculative_config=config)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    want = LLM(folder, max_model_len=256).generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                    use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # Drafts are proposed after a step and checked in the next one: a step of 3 or more
+    # requests proposes none, so the step after it checks none.
+    steps = list(llm.trace)
+    for before, after in zip(steps, steps[1:]):
+        if len(before.scheduled) >= 3:
+            assert not any(s.num_draft_tokens for s in after.scheduled)
+    assert any(s.num_draft_tokens for step in steps for s in step.scheduled), "small batches should draft"
+
+
 def test_seeded_random_sampling_is_reproducible(tiny_models, draft_folder):
     folder = str(tiny_models["llama"])
     prompts = [{"prompt_token_ids": p} for p in self_repeating_prompts(seed=7)[:4]]

@@ -69,17 +69,23 @@ neighbours' `next_free_block` / `prev_free_block`, and its own two links (set to
         """`popleft()` is `remove()` of `fake_free_list_head.next_free_block`, unless that is the
 tail sentinel (empty queue). `append()` links the block between `fake_free_list_tail.prev_free_block`
 and the tail.""",
-        """```python
-# free_blocks: check every block first, then change (a refused call changes nothing)
-blocks = [block for block in ordered_blocks if not block.is_null]
-drops: dict[int, int] = {}   # a block listed twice drops two references: count them
-for block in blocks:
-    drops[block.block_id] = drops.get(block.block_id, 0) + 1
-    if block.ref_cnt < drops[block.block_id]: raise ValueError(...)
-for block in blocks:
-    block.ref_cnt -= 1
-    if block.ref_cnt == 0: self.free_block_queue.append(block)
-# touch: the mirror image: if block.ref_cnt == 0: self.free_block_queue.remove(block); then += 1
+        """Before you run this, predict: after a refused `free_blocks`, what are the ref counts and how
+many blocks are free? Which block must the pool hand out after `touch` revived `b`? (A block listed
+twice in one call drops two references: `free_blocks([a, a])` with `a.ref_cnt == 1` is refused too.)
+```python
+# Test case: paste it into a new cell and run it (it uses your classes above)
+pool = BlockPool(num_blocks=5)              # blocks 1..4 are usable (block 0 is the null block)
+a, b = pool.get_new_blocks(2)
+pool.free_blocks([b])
+refused = False
+try:
+    pool.free_blocks([a, b])                # b is already free: the whole call is refused
+except ValueError:
+    refused = True
+assert refused and (a.ref_cnt, b.ref_cnt, pool.get_num_free_blocks()) == (1, 0, 3), (a.ref_cnt, b.ref_cnt)
+pool.touch([b])                             # a prefix-cache hit on the free block b
+assert (b.ref_cnt, pool.get_num_free_blocks()) == (1, 2)
+assert [block.block_id for block in pool.get_new_blocks(2)] == [3, 4]   # never b again
 ```""",
     ),
     checks=("check_free_block_queue(FreeKVCacheBlockQueue)", "check_block_pool(BlockPool)"),

@@ -63,14 +63,27 @@ stored at `out_ptr + token * stride_out_token + head * stride_out_head + dims` w
 (`slots = tl.arange(0, BLOCK_SIZE)` is given).""",
         """`tl.sum(k * q[None, :], axis=1)` is the `[BLOCK_SIZE]` vector of dot products; `tl.max(s, axis=0)`
 and `tl.sum(p, axis=0)` reduce it to scalars. `tl.where(cond, a, b)` is the masked select.""",
-        """```python
-m_new = tl.maximum(m, tl.max(s, axis=0))
-m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-p = tl.exp(s - m_safe)
-alpha = tl.exp(m - m_safe)
-l = l * alpha + tl.sum(p, axis=0)
-acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-m = m_new
+        """Before you run this, work it out on paper: after page 0 (scores 1, 2), what are `m`, `l`
+and `acc`? How does page 1 (score 3, then a NaN slot) rescale them? With `sliding_window=1` no key of
+page 0 is visible: what are `m`, `m_new` and `alpha` then, and does your loop avoid `-inf - (-inf)`?
+```python
+# Test case: paste it into a new cell and run it (it uses your kernel above)
+# One request, one head, head_dim 2, pages of 2 slots; q = [1, 0], keys [1, 0], [2, 0], [3, 0] (scores
+# 1, 2, 3), values [1, 1], [2, 2], [3, 3]; logical page 0 is physical block 2, page 1 is block 1, and
+# the slot after the last key holds NaN.
+kv_cache = torch.full((2, 3, 2, 1, 2), float("nan"))        # [K/V, blocks, slots, kv heads, dim]
+for key_pos, block, slot in ((0, 2, 0), (1, 2, 1), (2, 1, 0)):
+    kv_cache[0, block, slot, 0] = torch.tensor([key_pos + 1.0, 0.0])
+    kv_cache[1, block, slot, 0] = key_pos + 1.0
+metadata = AttentionMetadata(num_actual_tokens=1, max_query_len=1, max_seq_len=3,
+                             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                             seq_lens=torch.tensor([3], dtype=torch.int32),
+                             block_table=torch.tensor([[2, 1]], dtype=torch.int32), slot_mapping=torch.tensor([2]))
+query = torch.tensor([[[1.0, 0.0]]])
+every_key = decode_attention(query, kv_cache, metadata, scale=1.0)
+last_key_only = decode_attention(query, kv_cache, metadata, scale=1.0, sliding_window=1)  # page 0 unseen
+assert round(every_key[0, 0, 0].item(), 4) == 2.5752, every_key     # softmax([1, 2, 3]) · [1, 2, 3]
+assert last_key_only.tolist() == [[[3.0, 3.0]]], last_key_only
 ```""",
     ),
     checks=("check_decode_kernel(decode_attention)",),

@@ -7,19 +7,23 @@ EXERCISE = Exercise(
     number="01", slug="detokenizer", title="The incremental detokenizer",
     lecture="01 · the tokenizer path",
     intro="""You write the part of the engine that turns a stream of token ids into a stream of
-text: `IncrementalDetokenizer._decode_next` (the sliding decode window) and `find_stop_string`
-(stop strings that may straddle two steps).""",
+text: `IncrementalDetokenizer._decode_next` (the sliding decode window), `_flush` (the same window
+when the request ends) and `find_stop_string` (stop strings that may straddle two steps).""",
     setup="""
 from microvllm.detokenizer import REPLACEMENT_CHAR
 from microvllm.checks import check_detokenizer, check_find_stop_string, run_engine_with
 """,
     parts=(Part(IncrementalDetokenizer, intro="""The whole class is here so that its `update()` calls
-*your* `find_stop_string`. Write `_decode_next`; the rest is the engine's code, to read."""),
+*your* `find_stop_string`. Write `_decode_next` and `_flush` (the same window at the end of the
+request); the rest is the engine's code, to read."""),
            Part(find_stop_string)),
     todos={
         "IncrementalDetokenizer._decode_next":
             "decode tokens[prefix_offset:read_offset] and tokens[prefix_offset:], return the new part "
             "(or '' while it ends in REPLACEMENT_CHAR) and move both offsets",
+        "IncrementalDetokenizer._flush":
+            "the text the window still holds back, even if it ends in REPLACEMENT_CHAR (the request ends); "
+            "move both offsets",
         "find_stop_string":
             "return (stop string, start index) of the earliest stop string ending in the new text, or None",
     },
@@ -34,6 +38,11 @@ from microvllm.checks import check_detokenizer, check_find_stop_string, run_engi
 - otherwise return the new part, `new_text[len(prefix_text):]`, and move the window:
   `prefix_offset, read_offset = read_offset, len(tokens)`.
 
+`_flush()` is called once, when the request ends: it returns the text the window still holds
+back (`new_text[len(prefix_text):]`), even if it ends in `REPLACEMENT_CHAR` (the model produced bytes
+that are not valid UTF-8, and no later token will complete them), and moves the window like
+`_decode_next`.
+
 The returned pieces must add up exactly to `tokenizer.decode(output_token_ids)`, and each call
 may decode only a short window (O(new tokens), never the whole output).
 
@@ -44,18 +53,27 @@ string that starts earliest among those *ending* in the last `new_char_count` ch
     hints=(
         """Read the table in the module docstring (`import microvllm.detokenizer;
 print(microvllm.detokenizer.__doc__)`): "Hello wörld" fed one token at a time, with both offsets
-after each step.""",
+after each step. `prefix_text` is the window up to `read_offset`, `new_text` the whole window.""",
         """The incomplete character shows up as a trailing `"\\ufffd"` (`REPLACEMENT_CHAR`) in
 `new_text`. A token that decodes to nothing (a skipped special token) gives
-`len(new_text) <= len(prefix_text)`: treat it the same way.""",
-        """```python
-tokens = self.output_token_ids
-prefix_text = self._decode(tokens[self.prefix_offset:self.read_offset])
-new_text = self._decode(tokens[self.prefix_offset:])
-# return "" when nothing is complete yet; else move the offsets and return the tail
-```
-For `find_stop_string`: start each search at `max(0, len(output_text) - new_char_count - len(stop_string) + 1)`
-with `output_text.find(stop_string, start)`, and keep the smallest index.""",
+`len(new_text) <= len(prefix_text)`: treat it the same way. `_flush` is the same window once
+more, at the end: nothing can complete a half character any more. For `find_stop_string`: a stop
+string that *ends* in the new text starts at most `len(stop_string) - 1` characters before it.""",
+        """Before you run this, predict each `update()`'s text and the offsets after it. Why is the
+second delta empty while the offsets stay at `(0, 1)`? With one new character in `"abcd"`, why is the answer
+`"cd"`, not `"bc"` (nor `"d"`)?
+```python
+# Test case: paste it into a new cell and run it (it uses your class and function above)
+from microvllm.checks.detokenizer import tiny_tokenizer
+tok = tiny_tokenizer()   # "wö" is 3 tokens here: "w", then the two bytes of "ö" (130, 117)
+detok = IncrementalDetokenizer(tok, [])
+steps = [(detok.update([token_id]), detok.prefix_offset, detok.read_offset) for token_id in [89, 130, 117]]
+assert steps == [("w", 0, 1), ("", 0, 1), ("ö", 1, 3)], steps
+ends_early = IncrementalDetokenizer(tok, [])
+assert ends_early.update([130], finished=True) == "\\ufffd"   # half an "ö", and the request ends
+assert find_stop_string("The capital is Paris", 3, ["Paris", "is"]) == ("Paris", 15)
+assert find_stop_string("abcd", 1, ["bc", "cd", "d"]) == ("cd", 2)
+```""",
     ),
     checks=("check_detokenizer(IncrementalDetokenizer)", "check_find_stop_string(find_stop_string)"),
     engine_intro="""The engine makes one `IncrementalDetokenizer` per request. Passing your class as

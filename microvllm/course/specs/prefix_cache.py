@@ -27,19 +27,27 @@ from microvllm.checks import check_get_computed_blocks, check_hash_block_tokens,
 `self.single_type_managers` whose `find_longest_cache_hit(block_hashes, max_length)` returns its
 longest usable run of cached blocks (full attention: from the start, up to the first miss).""")),
     todos={
-        "hash_block_tokens": "sha256 of the parent's bytes (ROOT_BLOCK_HASH if None), the token ids as "
-                             "int64 little-endian, and b'|' + the encoded extra keys; return a BlockHash",
+        "hash_block_tokens": "hash the parent (ROOT_BLOCK_HASH if None), the token ids and any extra keys "
+                             "into a BlockHash with the properties of the contract",
         "KVCacheManager.get_computed_blocks": "ask every group's manager for its longest hit below "
                                               "num_tokens, retry all at the shortest until they agree; "
                                               "return (KVCacheBlocks, hit tokens)",
     },
     contract="""
-`hash_block_tokens(parent_block_hash, token_ids, extra_keys=None) -> BlockHash`:
-- `sha256(bytes(parent) + struct.pack(f"<{len(token_ids)}q", *token_ids))`, where `parent` is
-  `ROOT_BLOCK_HASH` when `parent_block_hash` is None; when `extra_keys` is non-empty, append
-  `b"|" + _encode_extra_keys(extra_keys)` to the bytes before hashing;
-- deterministic across processes (never Python's `hash()`), and exactly the engine's digest:
-  the checker compares with a fixed value.
+`hash_block_tokens(parent_block_hash, token_ids, extra_keys=None) -> BlockHash` names a full
+block *and everything before it*. What must hold:
+- **a digest**: a `BlockHash` of 32 bytes (sha256), the same for the same input in every process and
+  run (never Python's `hash()`, which is salted per process);
+- **it names the whole prefix**: the same tokens after another parent hash differently; a parent of
+  `None` means `ROOT_BLOCK_HASH` (the first block's parent), so both give the same hash;
+- **every token and its place count**: `[1, 2]` and `[2, 1]`, `[256]` and `[1, 1]`, `[1]` and
+  `[1, 0]`, `[0]` and `[]` all hash differently;
+- **extra keys count, unambiguously**: a cache salt changes the hash; `("ab", "c")` and
+  `("a", "bc")` differ (`_encode_extra_keys` writes each key with its type and length); no extra
+  keys (`None` or empty) hashes like a block without them;
+- **the engine's digest**: the check compares one chain with a fixed digest (the engine's, the same
+  in every run), so your bytes must be laid out as the engine's are. The properties above leave
+  that layout open; hint 1 gives it.
 
 `get_computed_blocks(request) -> (KVCacheBlocks, num_hit_tokens)`:
 - caching off: `(self.create_empty_block_list(), 0)`;
@@ -52,22 +60,27 @@ longest usable run of cached blocks (full attention: from the start, up to the f
   tokens (blocks × `self.block_size`); it touches nothing (`allocate_slots` does).
 """,
     hints=(
-        """The hash names the whole prefix because the parent's 32 bytes go first. Pack tokens
-with a fixed width (`"<q"`: 8 bytes, little-endian): then `[256]` and `[1, 1]`, or `[1]` and
-`[1, 0]`, can never give the same bytes.""",
+        """The engine's byte layout: the parent's 32 bytes first (then the hash names the whole
+prefix), then every token id as 8 bytes, little-endian (`struct.pack(f"<{len(token_ids)}q",
+*token_ids)`: a fixed width, so `[256]` and `[1, 1]`, or `[1]` and `[1, 0]`, can never give the
+same bytes), then, only when there are extra keys, `b"|" + _encode_extra_keys(extra_keys)`. Hash
+those bytes with `hashlib.sha256` and wrap the digest in `BlockHash`.""",
         """Which `max_length`? Not `request.num_tokens`: with exactly 32 tokens in blocks of 16
 that would hit both blocks, leaving nothing to compute and so no logits to sample from. Pass
 `request.num_tokens - 1` (the managers round down to whole blocks: 31 tokens -> 1 block).""",
-        """```python
-hit_length = request.num_tokens - 1
-while True:
-    hits = [m.find_longest_cache_hit(request.block_hashes, hit_length)
-            for m in self.single_type_managers]
-    shortest = min(len(blocks) for blocks in hits) * self.block_size
-    if all(len(blocks) * self.block_size == shortest for blocks in hits):
-        break
-    hit_length = shortest
-return KVCacheBlocks(tuple(hits)), shortest
+        """Before you run this, predict how many tokens each request hits when request `a`'s two blocks
+of 4 are cached: requests of 3, 8, 9 and 12 tokens that start with the same tokens. Why does the
+8-token request hit only 4, and the 12-token one only 8?
+```python
+# Test case: paste it into a new cell and run it (it uses your hash and your class above)
+from microvllm.checks.fakes import make_request
+from microvllm.core import FullAttentionSpec
+assert hash_block_tokens(None, [1, 2]).hex()[:16] == "fb5472e425077a1d"
+kv = KVCacheManager([FullAttentionSpec(4)], num_blocks=16, block_size=4)
+a = make_request("a", list(range(8)), 4)           # blocks of 4: two full blocks
+kv.allocate_slots(a, 8)                            # a's blocks are computed and cached
+hits = {n: kv.get_computed_blocks(make_request(f"r{n}", list(range(n)), 4))[1] for n in (3, 8, 9, 12)}
+assert hits == {3: 0, 8: 4, 9: 8, 12: 8}, hits
 ```""",
     ),
     checks=("check_hash_block_tokens(hash_block_tokens)", "check_get_computed_blocks(KVCacheManager)"),

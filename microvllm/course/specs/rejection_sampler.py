@@ -85,16 +85,24 @@ the first 0.
 accepted = (uniform * q_of_draft < p_of_draft) & is_draft
 num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)        # [B], 0..num_draft_tokens
 ```""",
-        """The one more token of row b comes from position `num_accepted[b]`: `p_next =
-target_probs[rows, num_accepted]`. It is the bonus where `num_accepted == num_draft_tokens`, else
-the residual against q at that position (clamp the index to K - 1 for the rows that accepted all).
-
+        """Before you run this, walk the three rows by hand: which drafts are kept (`0.9 * q(d) < p(d)`?),
+which distribution gives each row's one more token (a residual, the bonus, or `target[b, 0]`), and
+where the -1s go.
 ```python
-next_probs = torch.where(all_accepted, p_next, residual_probs(p_next, q_next))
-next_token = sample(next_probs)
-```
-Then write the kept drafts (`positions < num_accepted.unsqueeze(1)`) into a row of -1s and
-`output[rows, num_accepted] = next_token`.""",
+# Test case: paste it into a new cell and run it (it uses your functions above)
+# 3 requests over 3 tokens, K = 2: row 0 keeps its first draft and rejects its second, row 1 keeps
+# both, row 2 has no drafts. "sample" takes the argmax, so you see which distribution was used.
+target = torch.tensor([[[0.1, 0.6, 0.3], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]],
+                       [[0.1, 0.6, 0.3], [0.1, 0.1, 0.8], [0.7, 0.2, 0.1]],
+                       [[0.3, 0.3, 0.4], [1 / 3, 1 / 3, 1 / 3], [1 / 3, 1 / 3, 1 / 3]]])
+drafter = torch.tensor([[[0.2, 0.4, 0.4], [0.25, 0.5, 0.25]],
+                        [[0.2, 0.4, 0.4], [0.2, 0.2, 0.6]],
+                        [[1 / 3, 1 / 3, 1 / 3], [1 / 3, 1 / 3, 1 / 3]]])
+out = rejection_sample(torch.tensor([[1, 1], [1, 2], [-1, -1]]), torch.tensor([2, 2, 0]), target, drafter,
+                       torch.full((3, 2), 0.9), lambda probs: probs.argmax(dim=-1))
+assert out.tolist() == [[1, 0, -1], [1, 2, 0], [2, -1, -1]], out
+assert residual_probs(torch.tensor([0.5, 0.25, 0.25]), torch.tensor([0.25, 0.5, 0.25])).tolist() == [1.0, 0.0, 0.0]
+```""",
     ),
     checks=("check_rejection_sampler(rejection_sample, residual_probs)",),
     engine_intro="""`components={"rejection_sampler": RejectionSampler}` makes the engine check every

@@ -60,15 +60,27 @@ value per row) and never modifies its input:
 the k-th one per row as a threshold and `masked_fill(logits < threshold, -inf)`.""",
         """Top-p: `sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)`; with
 `p = sorted_logits.softmax(-1)`, the mass above each token is `p.cumsum(-1) - p`. Scatter the
-keep-mask back with `torch.empty_like(keep).scatter_(-1, sorted_ids, keep)`.""",
-        """```python
-noise = torch.empty_like(probs)
-if len(generators) != probs.shape[0]:
-    noise.exponential_(generator=shared_generator)
-for row, generator in generators.items():
-    noise[row].exponential_(generator=generator)
-noise.clamp_(min=torch.finfo(noise.dtype).tiny)   # never divide by 0
-return (probs / noise).argmax(dim=-1)
+keep-mask back with `torch.empty_like(keep).scatter_(-1, sorted_ids, keep)`.
+
+`random_sample`: one `exponential_` call on the whole noise tensor with `shared_generator` (skip it
+when every row has its own generator: the shared generator must advance exactly as the engine's),
+then refill each seeded row from its own generator; a noise of exactly 0 must not divide anything.""",
+        """Before you run this, predict the filtered rows: which of the two 2.0 logits does top-k 2 keep
+(both: ties with the k-th stay)? Does top-p 0.7 keep token 2, whose mass above it is 0.64? Then: a
+row drawn with its own generator must give the same token alone and as row 1 of a batch.
+```python
+# Test case: paste it into a new cell and run it (it uses your functions above)
+NEG = float("-inf")
+logits = torch.tensor([[3.0, 1.0, 2.0, 2.0], [0.0, 1.0, 2.0, 3.0]])
+assert apply_top_k(logits, torch.tensor([2, 0])).tolist() == [[3.0, NEG, 2.0, 2.0], [0.0, 1.0, 2.0, 3.0]]
+# row 1's probabilities are about [0.03, 0.09, 0.24, 0.64]
+assert apply_top_p(logits, torch.tensor([1.0, 0.7])).tolist()[1] == [NEG, NEG, 2.0, 3.0]
+assert apply_top_p(logits, torch.tensor([1.0, 0.5])).tolist()[1] == [NEG, NEG, NEG, 3.0]
+probs = torch.full((2, 6), 1 / 6)
+alone = random_sample(probs[:1], {0: torch.Generator().manual_seed(7)}, torch.Generator().manual_seed(0))
+second = random_sample(probs, {1: torch.Generator().manual_seed(7)}, torch.Generator().manual_seed(0))
+assert alone.tolist() == [1], alone
+assert second.tolist() == [2, 1], second   # row 1: the same token as alone
 ```""",
     ),
     checks=("check_sampler(Sampler)",),

@@ -57,28 +57,34 @@ new_blocks, num_scheduled_tokens, preempted, prefix_hits)` (which also advances
 `max_model_len`, `_preempt` frees the blocks and requeues the request at the front, `_make_output`
 freezes the plan. `scheduled_running` is the running requests that got tokens, in `self.running`
 order.""",
-        """The preemption loop:
+        """The shape of the preemption loop (the `...` are yours; the contract says whom to pick):
 ```python
 blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
 while blocks is None:
-    victim = self.running.pop()        # the most recently admitted
-    self._preempt(victim)
-    preempted.append(victim)
+    victim = ...                       # which running request gives its blocks back?
+    ...                                # preempt it, and remember it for the plan
     if victim is request:
         break
     blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-if blocks is None:
-    break
-```""",
-        """The admission loop header and its first lines:
+```
+If `blocks` is still `None` after the loop, the request preempted itself: what happens to the
+running requests after it this step?""",
+        """Before you run this, predict each step's plan: why does `d` wait in step 0 although the budget
+has room? Whom does step 1 preempt, and why that one? In step 5, `b` is preempted and frees 3 blocks,
+and `d` needs only 2: why does `d` still not run?
 ```python
-while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-    request = self.waiting[0]
-    hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-    num_new_tokens = request.num_tokens - num_hit_tokens
-    if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-        break
-    num_new_tokens = self._cap_new_tokens(request, num_hit_tokens, token_budget)
+# Test case: paste it into a new cell and run it (it uses your Scheduler above)
+from microvllm.checks.fakes import make_request, make_scheduler, run_steps
+# 6 usable blocks of 4 tokens; four 8-token prompts (2 blocks each) that write 10 tokens each
+scheduler, runner = make_scheduler(scheduler_class=Scheduler, num_blocks=7, max_num_batched_tokens=32)
+for request_id in "abcd":
+    scheduler.add_request(make_request(request_id, [ord(request_id)] * 8, 4, max_tokens=10))
+plans = [record.output for record in run_steps(scheduler, runner, until_done=False, num_steps=6)]
+scheduled = [dict(plan.num_scheduled_tokens) for plan in plans]
+preempted = [sorted(plan.preempted_req_ids) for plan in plans]
+assert scheduled == [{"a": 8, "b": 8, "c": 8}, {"a": 1, "b": 1}, {"a": 1, "b": 1}, {"a": 1, "b": 1},
+                     {"a": 1, "b": 1}, {"a": 1}], scheduled
+assert preempted == [[], ["c"], [], [], [], ["b"]], preempted
 ```""",
     ),
     checks=("check_scheduler(Scheduler)",),

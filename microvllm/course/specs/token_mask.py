@@ -47,18 +47,16 @@ starting with `(0, state)`. Each pop adds `self.ends[node]` (for `node != 0`).""
         """For each `ch, child in self.children[node].items()`: `nxt = dfa.step(at, ch)`; push
 `(child, nxt)` only if `nxt != dfa.DEAD`. That is the whole pruning: the subtree of a dead child is
 never visited.""",
-        """```python
-allowed: list[int] = []
-stack = [(0, state)]
-while stack:
-    node, at = stack.pop()
-    if node:
-        allowed.extend(self.ends[node])
-    for ch, child in self.children[node].items():
-        nxt = dfa.step(at, ch)
-        if nxt != dfa.DEAD:
-            stack.append((child, nxt))
-return allowed
+        """Before you run this, predict which of the nine tokens may start a match of
+`[0-9]+\\.[0-9]`, and which may follow a first `"7"`. Why is `"1.5x"` never allowed although it
+starts like `"1.5"`? Which node holds the empty token 8?
+```python
+# Test case: paste it into a new cell and run it (it uses your TokenTrie above)
+dfa = RegexDFA(r"[0-9]+\\.[0-9]")
+trie = TokenTrie({0: "1", 1: "1.", 2: "12", 3: "a", 4: ".5", 5: "1.5x", 6: "1.5", 7: "..", 8: ""})
+assert sorted(trie.allowed_from(dfa, dfa.start)) == [0, 1, 2, 6], sorted(trie.allowed_from(dfa, dfa.start))
+after_digit = dfa.walk(dfa.start, "7")
+assert sorted(trie.allowed_from(dfa, after_digit)) == [0, 1, 2, 4, 6], sorted(trie.allowed_from(dfa, after_digit))
 ```""",
     ),
     checks=("check_token_trie(TokenTrie)",),
