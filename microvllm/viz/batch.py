@@ -3,7 +3,7 @@
     tokens  0        10        20        30 |budget 32
     r1      [▒]                             decode 1
     r4         [▒///xxx]                    decode 1 + 6 drafts, 3 accepted
-    r0                [##########]          prefill 10 (new, +8 cached)
+    r0                [##########]*         prefill 10 (new, +8 cached)
     r2                           [#########] prefill 9 (chunk)
     r3      ✕ preempted
 
@@ -15,6 +15,7 @@ scheduled tokens and the red line is the budget (max_num_batched_tokens).
 Prefill chunks are solid, decode tokens faint with a black outline. A bar is
 drawn at least `MIN_BAR_FRACTION` of the axis wide, so that one decode token
 stays visible on a budget of thousands (the label says the true count).
+A request that found blocks in the prefix cache gets a ★ just after its bar.
 Bars carry gids `batch-<request>-<kind>`; the budget line is `budget`; markers
 `prefix-hits` and `preempted`; row labels `batch-labels`.
 
@@ -102,10 +103,11 @@ def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
     for bar, r, n in zip(bars, batch, own):
         bar.set_gid(f"batch-{r.request_id}-{r.kind}")
         bar.num_tokens = n                               # the true width (a bar is drawn at least MIN_BAR_FRACTION)
-    _draw_drafts(ax, batch, lefts, widths, faces, MIN_BAR_FRACTION * x_max)
-    hits = [(left, y) for y, (left, r) in enumerate(zip(lefts, batch)) if r.prefix_hit_tokens]
-    ax.plot([x for x, _ in hits], [y for _, y in hits], marker="*", markersize=12, color="#f5b800",
-            markeredgecolor="black", linestyle="none", clip_on=False, gid="prefix-hits")
+    ends = _draw_drafts(ax, batch, lefts, widths, faces, MIN_BAR_FRACTION * x_max)
+    hits = [(end, y) for y, (end, r) in enumerate(zip(ends, batch)) if r.prefix_hit_tokens]
+    after_bar = offset_copy(ax.transData, fig=fig, x=9, units="points")     # beside the bar's end, hiding none of it
+    ax.plot([x for x, _ in hits], [y for _, y in hits], marker="*", markersize=12, color=colors.PREFIX_HIT_COLOR,
+            markeredgecolor="black", linestyle="none", clip_on=False, gid="prefix-hits", transform=after_bar)
     first = len(batch)
     ax.plot([0] * len(s.preempted), range(first, first + len(s.preempted)), marker="X", markersize=10,
             color=colors.PREEMPT_COLOR, linestyle="none", clip_on=False, gid="preempted")
@@ -138,10 +140,13 @@ def plot_batch(trace: Trace, step: int, ax: Axes | None = None) -> Figure:
 
 
 def _draw_drafts(ax: Axes, batch: list[RequestStep], lefts: list[int], widths: list[float], faces,
-                 min_width: float) -> None:
+                 min_width: float) -> list[float]:
     """Each request's drafts after its own bar: accepted ``///``, rejected ``xxx`` (module
-    docstring); each part at least ``min_width`` wide, like the other bars."""
+    docstring); each part at least ``min_width`` wide, like the other bars. Returns where
+    each request's drawn bar (drafts included) ends."""
+    ends = []
     for y, (r, left, width, face) in enumerate(zip(batch, lefts, widths, faces)):
+        ends.append(left + width)
         if not r.num_draft_tokens:
             continue
         _, accepted, rejected = draft_split(r)
@@ -154,3 +159,5 @@ def _draw_drafts(ax: Axes, batch: list[RequestStep], lefts: list[int], widths: l
                                  gid=f"batch-{r.request_id}-{gid}", **style)
                 bar.num_tokens = n
                 x += max(n, min_width)
+        ends[-1] = x
+    return ends

@@ -12,7 +12,9 @@
 Cells of one kind form one collection (fast to draw), with gids `pool-owned`
 (one polygon per stripe), `pool-cached`, `pool-free`, `pool-null`, and the
 outlines `pool-allocated`, `pool-freed`; the cell at
-column x, row y is block ``y * grid_columns(num_blocks) + x``. The ref counts are
+column x, row y is block ``y * ncols + x``, with ``ncols = grid_columns(num_blocks, aspect)``
+(aspect 2 for a figure of its own; in the explorer, its panel's width / height, so that
+square cells fill the panel). The ref counts are
 one label collection, gid `pool-ref-counts` (see `cell_labels`). Tests read the
 picture back through these.
 """
@@ -32,17 +34,23 @@ from microvllm.viz.canvas import figure_and_axes
 from microvllm.viz.cell_labels import add_cell_labels
 
 
-def grid_columns(num_blocks: int) -> int:
-    """About twice as wide as tall, at most 32 columns."""
-    return max(1, min(32, math.ceil(math.sqrt(2 * num_blocks))))
+def grid_columns(num_blocks: int, aspect: float = 2.0) -> int:
+    """Columns of a grid of square cells about `aspect` times as wide as tall, at most 32."""
+    return max(1, min(32, math.ceil(math.sqrt(aspect * num_blocks))))
 
 
 def plot_block_pool(trace: Trace, step: int, ax: Axes | None = None, *, legend: bool = True) -> Figure:
     """Draw the pool at the end of step *index* `step` (see module docstring)."""
     s = trace[step]
-    n, ncols = trace.num_blocks, grid_columns(trace.num_blocks)
+    n = trace.num_blocks
+    if ax is None:
+        ncols = grid_columns(n)
+        fig, ax = figure_and_axes(ax, (min(12, 1.5 + 0.42 * ncols), 1.2 + 0.42 * math.ceil(n / ncols)))
+    else:                                           # the explorer's panel: fill it
+        fig = ax.figure
+        panel = ax.get_position()
+        ncols = grid_columns(n, panel.width * fig.get_figwidth() / (panel.height * fig.get_figheight()))
     nrows = math.ceil(n / ncols)
-    fig, ax = figure_and_axes(ax, (min(12, 1.5 + 0.42 * ncols), 1.2 + 0.42 * nrows))
     bbox = ax.get_position()                        # a cell's side in points sizes the numbers
     side = min(bbox.width * fig.get_figwidth() / ncols, bbox.height * fig.get_figheight() / nrows) * 72
     palette = colors.request_colors(trace)

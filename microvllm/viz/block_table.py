@@ -36,25 +36,32 @@ from microvllm.viz.canvas import figure_and_axes
 from microvllm.viz.cell_labels import add_cell_labels, label_width_points
 
 
-def plot_block_tables(trace: Trace, step: int, ax: Axes | None = None, *, max_rows: int = 24) -> Figure:
+def plot_block_tables(trace: Trace, step: int, ax: Axes | None = None, *, max_rows: int = 24,
+                      min_columns: int = 12) -> Figure:
     """Draw every running request's block table(s) at the end of step *index* `step`.
 
-    At most `max_rows` rows are drawn (the title says how many were left out).
+    At most `max_rows` rows are drawn (the title says how many were left out). The
+    axes' width is shared by at least `min_columns` columns, so short tables keep
+    readable, not huge, cells; `min_columns=1` lets a short table fill a wide panel
+    (the projector's), its cells at most twice as wide as tall.
     """
     s = trace[step]
     groups = trace.kv_cache_groups
     all_rows = [(rid, g) for rid in s.block_tables for g in range(len(groups))]
     rows = all_rows[:max_rows]
     width = max((len(s.block_tables[rid][g]) for rid, g in rows), default=1) or 1
-    columns = max(width, 12)                       # short tables keep readable, not huge, cells
+    columns = max(width, min_columns)
     fig, ax = figure_and_axes(ax, (min(14, 2.5 + 0.5 * columns), 1.0 + 0.4 * max(1, len(rows))))
     palette = colors.request_colors(trace)
     bbox = ax.get_position()
-    cell_h = bbox.height * fig.get_figheight() * 72 / max(1, len(rows))    # in points
+    height_pt = bbox.height * fig.get_figheight() * 72
+    cell_h = height_pt / max(1, len(rows))                                  # in points
     name = (lambda rid, g: rid) if len(groups) == 1 else (lambda rid, g: f"{rid} · {groups[g]}")
     row_names, name_size = [name(rid, g) for rid, g in rows], min(8.5, 0.7 * cell_h)
     names_pt = label_width_points(row_names, name_size) + 8                  # room left of the cells
-    cell_w = (bbox.width * fig.get_figwidth() * 72 - names_pt) / columns
+    room_pt = bbox.width * fig.get_figwidth() * 72 - names_pt
+    cell_w = min(room_pt / columns, 2 * cell_h)
+    cell_h = min(cell_h, cell_w)            # a few rows: square cells from the top, not tall slabs
     fontsize = min(10, 0.5 * cell_h, cell_w / (0.7 * len(str(trace.num_blocks - 1))))
     cells, faces, edges, widths, nulls = [], [], [], [], []
     centres, labels, inks = [], [], []
@@ -87,8 +94,8 @@ def plot_block_tables(trace: Trace, step: int, ax: Axes | None = None, *, max_ro
     add_cell_labels(ax, centres, labels, fontsize, inks, "tables-ids")
     if not rows:
         ax.text(0.5, 0.5, "no running requests", ha="center", va="center", transform=ax.transAxes, color="#666666")
-    ax.set_xlim(-names_pt / cell_w, columns)
-    ax.set_ylim(max(1, len(rows)), 0)
+    ax.set_xlim(-names_pt / cell_w, room_pt / cell_w)
+    ax.set_ylim(max(1, len(rows), height_pt / cell_h), 0)
     ax.set_axis_off()
     add_cell_labels(ax, [(-4 / cell_w, y + 0.5) for y in range(len(rows))], row_names, name_size, "black",
                     "tables-rows", align="right", clip=False)

@@ -52,7 +52,7 @@ class StepExplorer:
         self.look = look(preset, scale, figsize, dpi)
         self.preset, self.scale = preset, scale
         self.figure = StepFigure(trace, figsize=self.look.figsize, dpi=self.look.dpi,
-                                 min_fontsize=self.look.min_fontsize)
+                                 min_fontsize=self.look.min_fontsize, layout=self.look.layout)
         last = len(trace) - 1
         self.play = widgets.Play(value=step, min=0, max=last, interval=interval_ms, description="Play",
                                  layout=widgets.Layout(width="auto"))

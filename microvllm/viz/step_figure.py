@@ -13,6 +13,10 @@
 Its look comes from a preset, scaled (`look`): "notebook" (the default) or
 "projector" (for the back of a room: no text under 14 pixels when the PNG is
 shown at its own size, and 1600 x 900 pixels, to fit a 1080p screen).
+The pool's grid takes as many columns as fill its panel with square cells. On a
+16:9 canvas the tables' row is very wide: the notebook's rule (at least 12 columns,
+so a short table keeps modest cells) left a third of it empty, so the projector's
+"wide" layout lets a short table's cells grow to fill the row instead.
 
 The timeline is rendered once and kept as a background image (Agg "blitting");
 moving to another step clears and redraws only the other three axes and the
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 import PIL.Image
 from matplotlib.figure import Figure
+from matplotlib.legend_handler import HandlerTuple
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
@@ -46,6 +51,7 @@ class Look:
     figsize: tuple[float, float]
     dpi: float
     min_text_px: float | None = None      # None: the plots' own sizes (down to ~6 points)
+    layout: str = "stacked"               # "stacked" or "wide": short block tables fill the row
 
     @property
     def min_fontsize(self) -> float | None:
@@ -54,7 +60,8 @@ class Look:
 
 
 PRESETS = {"notebook": Look((13, 10.5), 72),
-           "projector": Look((16, 9), 100, min_text_px=14)}
+           "projector": Look((16, 9), 100, min_text_px=14, layout="wide")}
+LAYOUTS = ("stacked", "wide")
 
 
 def look(preset: str = "notebook", scale: float = 1.0, figsize: tuple[float, float] | None = None,
@@ -66,24 +73,28 @@ def look(preset: str = "notebook", scale: float = 1.0, figsize: tuple[float, flo
         raise ValueError(f"scale is {scale}: it multiplies the picture's size, use a number > 0 (e.g. 1.5)")
     base = PRESETS[preset]
     return Look(figsize or base.figsize, (dpi or base.dpi) * scale,
-                None if base.min_text_px is None else base.min_text_px * scale)
+                None if base.min_text_px is None else base.min_text_px * scale, base.layout)
 
 
 class StepFigure:
     def __init__(self, trace: Trace, *, figsize: tuple[float, float] = (13, 10.5), dpi: float = 72,
-                 min_fontsize: float | None = None) -> None:
+                 min_fontsize: float | None = None, layout: str = "stacked") -> None:
         if len(trace) == 0:
             raise ValueError("the trace has no steps: record a run with trace=True first")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}: choose one of {list(LAYOUTS)}")
         self.trace = trace
         self.min_fontsize = min_fontsize
         self.figure = new_figure(figsize, dpi=dpi, layout=None)   # fixed layout: no re-layout per step
         grid = self.figure.add_gridspec(4, 2, height_ratios=[1.9, 1.2, 2.0, 1.6], width_ratios=[1.0, 1.0],
-                                        left=0.07, right=0.94, top=0.93, bottom=0.11, hspace=0.6, wspace=0.42)
-        self.pool_ax = self.figure.add_subplot(grid[0:2, 0])
-        self.batch_ax = self.figure.add_subplot(grid[0, 1])
-        self.queues_ax = self.figure.add_subplot(grid[1, 1])
-        self.tables_ax = self.figure.add_subplot(grid[2, :])
-        self.timeline_ax = self.figure.add_subplot(grid[3, :])
+                                        left=0.055, right=0.94, top=0.93, bottom=0.11, hspace=0.6, wspace=0.42)
+        pool, batch, queues, tables, timeline = grid[0:2, 0], grid[0, 1], grid[1, 1], grid[2, :], grid[3, :]
+        self.min_table_columns = 12 if layout == "stacked" else 1
+        self.pool_ax = self.figure.add_subplot(pool)
+        self.batch_ax = self.figure.add_subplot(batch)
+        self.queues_ax = self.figure.add_subplot(queues)
+        self.tables_ax = self.figure.add_subplot(tables)
+        self.timeline_ax = self.figure.add_subplot(timeline)
         self.dynamic_axes = (self.pool_ax, self.batch_ax, self.queues_ax, self.tables_ax)
         plot_timeline(trace, 0, ax=self.timeline_ax, legend=False)
         self._legend()
@@ -99,7 +110,7 @@ class StepFigure:
         plot_block_pool(self.trace, step, ax=self.pool_ax, legend=False)
         plot_batch(self.trace, step, ax=self.batch_ax)
         plot_queues(self.trace, step, ax=self.queues_ax)
-        plot_block_tables(self.trace, step, ax=self.tables_ax)
+        plot_block_tables(self.trace, step, ax=self.tables_ax, min_columns=self.min_table_columns)
         move_cursor(self.timeline_ax, self.trace, step)
         if self.min_fontsize:
             for ax in self.dynamic_axes:
@@ -131,27 +142,32 @@ class StepFigure:
         return buffer.getvalue()
 
     def _legend(self) -> None:
-        handles = [Patch(facecolor=colors.CACHED_COLOR, edgecolor="#888888", hatch=colors.CACHED_HATCH,
-                         label="free, still cached"),
-                   Patch(facecolor=colors.FREE_COLOR, label="free, empty"),
-                   Patch(facecolor=colors.NULL_COLOR, label="null block 0"),
-                   Patch(facecolor="#888888", label="prefill tokens"),
-                   Patch(facecolor="#888888", alpha=colors.DECODE_ALPHA, edgecolor="black",
-                         label="decode tokens"),
-                   Line2D([], [], color=colors.BUDGET_COLOR, linestyle="--", label="token budget"),
-                   Line2D([], [], marker="*", color="#f5b800", markeredgecolor="black", linestyle="none",
-                          label="prefix-cache hit"),
-                   Line2D([], [], marker="X", color=colors.PREEMPT_COLOR, linestyle="none", label="preempted"),
-                   Patch(facecolor="none", edgecolor=colors.ALLOCATED_COLOR, linewidth=2.5,
-                         label="allocated this step"),
-                   Patch(facecolor="none", edgecolor=colors.FREED_COLOR, linewidth=2.5, label="freed this step")]
+        # Bars take their request's colour, so a bar's swatch shows a few request colours
+        # side by side (the first requests of this trace) in that kind's style.
+        swatches = list(colors.request_colors(self.trace).values())[:3] or colors.PALETTE[:3]
+
+        def kind(label: str, **style) -> tuple[tuple[Patch, ...], str]:
+            return tuple(Patch(facecolor=c, **style) for c in swatches), label
+
+        entries = [(Patch(facecolor=colors.CACHED_COLOR, edgecolor="#888888", hatch=colors.CACHED_HATCH),
+                    "free, still cached"),
+                   (Patch(facecolor=colors.FREE_COLOR), "free, empty"),
+                   (Patch(facecolor=colors.NULL_COLOR), "null block 0"),
+                   kind("prefill tokens (solid)"),
+                   kind("decode tokens (faint)", alpha=colors.DECODE_ALPHA, edgecolor="black", linewidth=0.5),
+                   (Line2D([], [], color=colors.BUDGET_COLOR, linestyle="--"), "token budget"),
+                   (Line2D([], [], marker="*", color=colors.PREFIX_HIT_COLOR, markeredgecolor="black",
+                           linestyle="none"), "prefix-cache hit"),
+                   (Line2D([], [], marker="X", color=colors.PREEMPT_COLOR, linestyle="none"), "preempted"),
+                   (Patch(facecolor="none", edgecolor=colors.ALLOCATED_COLOR, linewidth=2.5), "allocated this step"),
+                   (Patch(facecolor="none", edgecolor=colors.FREED_COLOR, linewidth=2.5), "freed this step")]
         if any(r.num_draft_tokens for s in self.trace for r in s.scheduled):     # speculative decoding
-            handles += [Patch(facecolor="#888888", hatch=colors.DRAFT_HATCH, edgecolor="black",
-                              label="accepted drafts"),
-                        Patch(facecolor="white", hatch=colors.REJECTED_HATCH, edgecolor=colors.REJECTED_COLOR,
-                              label="rejected drafts (their slots)")]
-        self.figure.legend(handles=handles, loc="lower center", ncols=(len(handles) + 1) // 2, fontsize=8,
-                           frameon=False)
+            entries += [kind("accepted drafts", hatch=colors.DRAFT_HATCH, edgecolor="black", linewidth=0.5),
+                        (Patch(facecolor="white", hatch=colors.REJECTED_HATCH, edgecolor=colors.REJECTED_COLOR),
+                         "rejected drafts (their slots)")]
+        handles, labels = zip(*entries)
+        self.figure.legend(handles=handles, labels=labels, loc="lower center", ncols=(len(entries) + 1) // 2,
+                           fontsize=8, frameon=False, handler_map={tuple: HandlerTuple(ndivide=None, pad=0)})
 
 
 def plot_step(trace: Trace, step: int, *, figsize: tuple[float, float] | None = None, preset: str = "notebook",
@@ -161,4 +177,5 @@ def plot_step(trace: Trace, step: int, *, figsize: tuple[float, float] | None = 
     `preset` and `scale` as for `StepExplorer`; a static figure defaults to 100 dpi.
     """
     chosen = look(preset, scale, figsize, dpi or max(100, PRESETS[preset].dpi))
-    return StepFigure(trace, figsize=chosen.figsize, dpi=chosen.dpi, min_fontsize=chosen.min_fontsize).draw(step)
+    return StepFigure(trace, figsize=chosen.figsize, dpi=chosen.dpi, min_fontsize=chosen.min_fontsize,
+                      layout=chosen.layout).draw(step)
