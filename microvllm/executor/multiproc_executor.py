@@ -57,6 +57,7 @@ from microvllm.executor.abstract import Executor
 STARTUP_TIMEOUT_S = 600.0         # spawn, import torch, join the group, load the shard
 CALL_TIMEOUT_S = 600.0            # one step (or any other call) on every rank
 PROCESS_GROUP_TIMEOUT_S = 120.0   # a collective waiting on a missing peer raises after this
+DEATH_GRACE_S = 1.0               # after a rank's error, how long a peer's death may take to show
 
 
 _STARTUP_HINT = ("; its own error is printed above. In a script, create the LLM under "
@@ -158,6 +159,13 @@ class MultiprocExecutor(Executor):
                     continue
                 # An error, or no answer yet. A death is the root cause: after one, the other
                 # ranks fail in their collectives ("Connection reset by peer"), so it comes first.
+                # A killed process closes its sockets before it can be reaped, so a peer's error
+                # can arrive while the dead one still looks alive: give it a moment to show.
+                if reply is not None and self.world_size > 1:
+                    ended = wait([p.sentinel for r, p in enumerate(self.procs) if r != rank], timeout=DEATH_GRACE_S)
+                    for proc in self.procs:
+                        if proc.sentinel in ended:
+                            proc.join(1)       # reap it: its exit code says "killed"
                 self._fail_if_a_worker_died(method, raised=None if reply is None else (rank, str(reply.value)))
                 pid = self.procs[rank].pid
                 if reply is not None:
