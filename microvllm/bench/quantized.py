@@ -4,7 +4,8 @@
     int8    that folder with ``quantization="int8"`` (int8 weights, a scale per row)
     Q4_1    the GGUF file itself, ``LLM(model="<file>.gguf")`` (Q4_1 layers, a Q8_0 embedding)
     HF      transformers ``from_pretrained`` + tokenizer on the float folder (start and memory only)
-    llama.cpp  the same GGUF file through ``llama_cpp`` (only when it is importable)
+    llama.cpp  the same GGUF file through ``llama_cpp``'s C API (only when it is importable):
+               B sequences decoded together, one token each per ``llama_decode``
 
 Each measurement runs in a fresh Python process, so that its start time and the resident
 memory it adds are its own: the memory ``LLM()`` adds to a process that has already
@@ -93,30 +94,54 @@ def measure_hf(float_folder: str, threads: int) -> dict:
 
 
 def measure_llama_cpp(gguf_file: str, threads: int, prompt_len: int, output_len: int) -> dict:
-    """llama.cpp on the GGUF file: start, memory, and the seconds per token of one greedy
-    request (its Python API has no batch of independent requests)."""
+    """llama.cpp on the GGUF file: start, memory, and the median decode step at each of
+    ``BATCHES``, through its C API (``llama_decode`` on a ``llama_batch``; the Python
+    ``Llama`` class serves one sequence): B prompts prefilled as B sequences in one call,
+    then steps of one token per sequence, as microvllm's decode-only steps are."""
     import importlib.util
     import types
 
     if importlib.util.find_spec("diskcache") is None:
         # llama_cpp imports diskcache for its optional on-disk prompt cache, unused here
         sys.modules["diskcache"] = types.ModuleType("diskcache")
-    import llama_cpp
+    import llama_cpp as C
 
+    C.llama_backend_init()
     before = rss_bytes()
     start = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=gguf_file, n_ctx=prompt_len + output_len + 8, n_threads=threads,
-                          verbose=False)
+    model = C.llama_model_load_from_file(gguf_file.encode(), C.llama_model_default_params())
     start_s = time.perf_counter() - start
-    prompt = list(range(100, 100 + prompt_len))
-    llm.eval(prompt)
-    times = []
-    for _ in range(output_len):
-        token = llm.sample(temp=0.0)
-        begin = time.perf_counter()
-        llm.eval([token])
-        times.append(time.perf_counter() - begin)
-    return {"start_s": start_s, "rss_added": rss_bytes() - before, "step_s": {1: statistics.median(times)}}
+    steps = {}
+    for batch_size in BATCHES:
+        params = C.llama_context_default_params()
+        params.n_ctx = batch_size * (prompt_len + output_len) + 256
+        params.n_batch = params.n_ubatch = batch_size * prompt_len
+        params.n_seq_max, params.kv_unified = batch_size, False   # a KV stream per sequence
+        params.n_threads = params.n_threads_batch = threads
+        ctx = C.llama_init_from_model(model, params)
+        batch = C.llama_batch_init(batch_size * prompt_len, 0, 1)
+
+        def decode(entries: list[tuple[int, int, int, bool]]) -> None:   # (token, position, sequence, logits?)
+            batch.n_tokens = len(entries)
+            for i, (token, position, sequence, logits) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+                batch.seq_id[i][0], batch.logits[i] = sequence, logits
+            if C.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+
+        decode([(100 + (7 * s + p) % 1000, p, s, p == prompt_len - 1)
+                for s in range(batch_size) for p in range(prompt_len)])
+        times = []
+        for step in range(output_len):   # the token ids do not change the time of a step
+            begin = time.perf_counter()
+            decode([(200 + (s + step) % 1000, prompt_len + step, s, True) for s in range(batch_size)])
+            times.append(time.perf_counter() - begin)
+        steps[batch_size] = statistics.median(times)
+        C.llama_batch_free(batch)
+        C.llama_free(ctx)
+    rss_added = rss_bytes() - before
+    C.llama_model_free(model)
+    return {"start_s": start_s, "rss_added": rss_added, "step_s": steps}
 
 
 def _child(kind: str, spec: dict) -> dict:
@@ -198,7 +223,8 @@ def bench_quantization(args) -> None:
         print(row)
     print("(tok/s of a decode-only step = batch / its median seconds; start = LLM() (HF: model + "
           "tokenizer), warm; RSS added over a process with torch and transformers imported; budget = "
-          "(weights + KV cache) x 1.25; llama.cpp: one request, its own Python API)")
+          "(weights + KV cache) x 1.25; llama.cpp: its C API, B sequences per llama_decode, start = the model "
+          "file loaded, RSS after both batch sizes ran)")
     report_quality(formats)
 
 
