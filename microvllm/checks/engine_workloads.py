@@ -1,13 +1,15 @@
 """The workloads ``run_engine_with`` runs: for each component, prompts, sampling parameters and
 engine settings chosen so that a wrong component changes the tokens or a step's decisions.
 
-    SCHEDULER_RUN  6 prompts (19-22 tokens, two short); max_num_seqs=3, max_num_batched_tokens=16,
+    SCHEDULER_RUN  8 prompts (3-22 tokens, four short); max_num_seqs=4, max_num_batched_tokens=16,
                    num_kv_blocks=7 (6 usable blocks of 16 tokens). The reference engine:
                      step 0      request 0 gets the whole budget (a 16-token chunk)
-                     step 1      requests 1 (after a 16-token prefix hit) and 2 join: 3 seats taken,
-                                 3 more wait although blocks are free (max_num_seqs binds)
-                     step 12     request 2 needs a block, none is free: it is preempted
-                     step 13...  the preempted request comes back, the short ones join
+                     step 1      request 0's last 6 tokens, request 1 after a 16-token prefix hit,
+                                 request 2's first chunk
+                     step 4      a running request needs a block and none is free: request 3, the
+                                 most recently admitted, is preempted, and nothing is admitted in
+                                 that step although its freed blocks would take a waiting chunk
+                     step 16     four seats taken while requests wait (max_num_seqs binds)
     PREFIX_RUN     5 prompts, three sharing a 16-token prefix; num_kv_blocks=6, budget 32: a hit on a
                    block in use (step 0), preemption, and a hit on a freed block still cached (the
                    fifth prompt): the LRU order decides which blocks are evicted
@@ -67,8 +69,9 @@ class Workload:
 
 GREEDY_RUN = Workload("greedy", tuple(PROMPTS), (GREEDY,) * 4)
 SCHEDULER_RUN = Workload(
-    "scheduler", tuple(PROMPTS) + ("A short one", {"prompt_token_ids": [7, 8, 9, 10, 11]}), (GREEDY,) * 6,
-    (("num_kv_blocks", 7), ("max_num_batched_tokens", 16), ("max_num_seqs", 3)), steps=True)
+    "scheduler", tuple(PROMPTS) + ("A short one", {"prompt_token_ids": [7, 8, 9, 10, 11]},
+                                   {"prompt_token_ids": [40, 41, 42]}, "Two more"), (GREEDY,) * 8,
+    (("num_kv_blocks", 7), ("max_num_batched_tokens", 16), ("max_num_seqs", 4)), steps=True)
 PREFIX_RUN = Workload(
     "prefix cache", tuple(PROMPTS) + ("The scheduler decides which requests run in each step; the block pool",),
     (GREEDY,) * 5, (("num_kv_blocks", 6), ("max_num_batched_tokens", 32)), steps=True, blocks=True)

@@ -62,14 +62,14 @@ def test_a_scheduler_that_ignores_max_num_seqs_is_named_at_its_step():
     seats = mutant(scheduler_module, [(" and len(self.running) < self.max_num_seqs", "")]).Scheduler
     result = run_engine_with({"scheduler": seats}, quiet=True)
     assert not result.same
-    assert "step 3: your scheduler ran 4 requests, max_num_seqs=3" in result.message, result.message
+    assert "step 16: your scheduler ran 5 requests, max_num_seqs=4" in result.message, result.message
     assert "len(self.running) < self.max_num_seqs" in result.message  # the hint
 
 
 def test_a_scheduler_that_preempts_the_oldest_request_is_caught():
     oldest = mutant(scheduler_module, [("victim = self.running.pop()", "victim = self.running.pop(0)")]).Scheduler
-    caught({"scheduler": oldest}, r"step 12: your scheduler preempted request 0; the reference preempts "
-                                  r"request 2.*victim = self\.running\.pop\(\)")
+    caught({"scheduler": oldest}, r"step 4: your scheduler preempted request 0; the reference preempts "
+                                  r"request 3.*victim = self\.running\.pop\(\)")
 
 
 def test_a_scheduler_that_skips_prefix_hits_is_caught():
@@ -78,6 +78,13 @@ def test_a_scheduler_that_skips_prefix_hits_is_caught():
         "hit_blocks, num_hit_tokens = self.kv_cache_manager.create_empty_block_list(), 0")]).Scheduler
     caught({"scheduler": no_hits}, r"step 1: your scheduler planned a different batch.*"
                                    r"reference: .*16-token prefix hit.*get_computed_blocks")
+
+
+def test_a_scheduler_that_admits_in_a_step_that_preempted_is_caught():
+    # The freed blocks would take a waiting chunk in step 4: admitting it only hands them back.
+    admits = mutant(scheduler_module, [("while not preempted and self.waiting", "while self.waiting")]).Scheduler
+    caught({"scheduler": admits}, r"step 4: your scheduler planned a different batch.*request 3: 13 prefill tokens"
+                                  r".*a step that preempted admits no waiting request")
 
 
 def test_a_scheduler_over_the_token_budget_is_named_before_the_runner_fails():
