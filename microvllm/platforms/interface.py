@@ -6,8 +6,9 @@ sampler are plain, device-agnostic torch and never ask ``torch.cuda`` themselves
 
     settling the config   default_dtype, resolve_dtype, resolve_attention_backend,
                           kv_cache_budget (what gpu_memory_utilization means here)
-    the KV cache's size   memory_at_start() before loading, then num_kv_blocks_that_fit()
-                          (a CPU: the byte budget; CUDA: a profiling pass and the readings)
+    the KV cache          memory_at_start() before loading, then num_kv_blocks_that_fit()
+                          (a CPU: the byte budget; CUDA: a profiling pass and the readings);
+                          allocate_kv_cache() for each layer's zeroed blocks
     the ops               process_weights_after_loading(): each CustomOp's version, once
     a decode-only step    decode_step_runner(model): the CPU fast path; CUDA graphs
     several ranks         distributed_backend ("gloo" / "nccl"), set_device(rank)
@@ -96,6 +97,12 @@ class Platform:
         budget, no profiling (``profile_run`` runs the largest batch, for platforms that
         measure what it takes)."""
         return cache_config.kv_cache_memory_bytes // bytes_per_block
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One layer's KV cache, zeroed. Zeroed, not just allocated: attention reads the unused
+        slots of a sequence's last block and multiplies them by a zero weight, and a stale
+        NaN there would make the product NaN (vLLM zeroes its cache too)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     # -------------------------------------------------------------- the ops
     def op_version(self, op: CustomOp) -> Callable | None:

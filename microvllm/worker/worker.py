@@ -80,8 +80,7 @@ class Worker:
         block_size, scheduler = self.config.cache_config.block_size, self.config.scheduler_config
         attn, components = self.model.layers[0].self_attn, self.components
         shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.platform.device)
-                          for _ in self.model.layers]
+        self.kv_caches = [self.platform.allocate_kv_cache(shape, self.dtype) for _ in self.model.layers]
         self.model_runner = component(components, "model_runner", ModelRunner)(
             self.model, self.kv_caches, block_size=block_size,
             max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
@@ -117,8 +116,7 @@ class Worker:
         self.platform.process_weights_after_loading(draft)
         attn = draft.layers[0].self_attn
         shape = (2, num_blocks, self.config.cache_config.block_size, attn.num_kv_heads, attn.head_dim)
-        self.draft_kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.platform.device)
-                                for _ in draft.layers]
+        self.draft_kv_caches = [self.platform.allocate_kv_cache(shape, self.dtype) for _ in draft.layers]
         return DraftModelProposer(draft, self.draft_kv_caches, config.num_speculative_tokens,
                                   shares_target_kv=False)
 
