@@ -21,7 +21,7 @@
 //                                     scratch (L2), x transposed once per call (64 rows at a
 //                                     time), and tiles that broadcast a weight against 16 rows
 //                                     of x per instruction
-//   Q4_1, 5 rows and more, on AMX     amx_q4_1.h: the 4-bit integers multiplied on AMX tiles
+//   Q4_1 on an AMX CPU (any rows)     amx_q4_1.h: the 4-bit integers multiplied on AMX tiles
 //                                     against x split exactly into three bf16 parts
 //   without AVX-512                   groups of 16 weight rows dequantized into the scratch,
 //                                     then 4 x 4 tiles of dot products (plain loops where the
@@ -316,7 +316,7 @@ void linear(int format, const float* x, const uint8_t* w, const float* scales, c
     const int64_t stride = row_bytes(format, K);
     const int groups = (N + G - 1) / G;
 #ifdef MICROVLLM_AMX_Q4_1
-    if (format == Q4_1 && M > SMALL_BATCH && N % amx_q4_1::TILE == 0 && amx_q4_1::ready()) {
+    if (format == Q4_1 && N % amx_q4_1::TILE == 0 && amx_q4_1::ready()) {
         amx_q4_1::linear(x, w, bias, y, M, N, K);   // (K % 32 == 0: a Q4_1 row is whole blocks)
         return;
     }

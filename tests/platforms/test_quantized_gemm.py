@@ -68,7 +68,7 @@ def test_q4_1_runs_on_amx_tiles_where_the_cpu_has_them():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows,k", [(5, 576), (17, 1536), (32, 576)])
+@pytest.mark.parametrize("rows,k", [(1, 576), (4, 1536), (5, 576), (17, 1536), (32, 576)])
 def test_amx_q4_1_is_as_exact_as_a_float32_sum(request, rows, k):
     """x is split into three bf16 parts that add up to it exactly: the result is off from
     the exact sum by float32 roundoff alone, a few units of 2^-24 times sum |x w| (measured
@@ -133,10 +133,11 @@ def test_the_plain_loop_version_matches_too(request, tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [2, 40, 100], ids=["registers", "wide-tiles", "prefill-dequantize"])
+@pytest.mark.parametrize("rows", [2, 40, 100, 300], ids=["small", "wide", "100-rows", "prefill-dequantize"])
 def test_quantized_linear_version_routes_every_size(request, rows):
     """The platform's version of a quantized Linear: each row count takes its route and
-    matches forward_native (100 rows: dequantize into a temporary, then F.linear)."""
+    matches forward_native (100 rows: dequantize into a temporary, then F.linear, except
+    on an AMX CPU, whose Q4_1 tiles take up to 256 rows; 300 rows: dequantize everywhere)."""
     from microvllm.layers.linear import Linear
     from microvllm.layers.quantization.gguf import GGUFLinearMethod
 

@@ -4,6 +4,8 @@
     GGUF Q4_1, Q8_0; int8           quantized_linear.cpp: each       dequantize_rows into a
                                     thread dequantizes 16 rows into  temporary float32 weight,
                                     L2 and multiplies them there     then F.linear (oneDNN/MKL)
+    GGUF Q4_1 on an AMX CPU         amx_q4_1.h (the 4-bit integers on AMX tiles), up to 256
+                                    rows; it beats dequantizing + oneDNN up to ~512 here
     GGUF F16, anything else         forward_native (dequantize in torch, F.linear)
 
 A decode step is bound by the bytes of weights it reads; the fused kernel reads each
@@ -27,12 +29,19 @@ from microvllm.platforms.cpu import kernels
 
 FORMATS = {"Q4_1": 0, "Q8_0": 1, "int8": 2}   # quantized_linear.cpp's format numbers
 MAX_FUSED_ROWS = 64    # more rows than this: dequantize, then F.linear
+AMX_FUSED_ROWS = 256   # the same for Q4_1 on AMX tiles
 ROW_GROUP = 4          # the kernel needs N to be a multiple of this
 
 
 def status() -> str | None:
     """None if the kernels build and load here, else why not."""
     return kernels.status("quantized_linear")
+
+
+def runs_on_amx(fmt: str, out_features: int) -> bool:
+    """Whether ``quantized_linear`` multiplies this weight on AMX tiles here (amx_q4_1.h)."""
+    return fmt == "Q4_1" and out_features % 16 == 0 and status() is None \
+        and kernels.load("quantized_linear").q4_1_amx_ready() == 1
 
 
 def weight_format(linear) -> str | None:
@@ -98,6 +107,7 @@ class QuantizedLinear:
 
     def __init__(self, linear, fmt: str):
         self.linear, self.format = linear, fmt
+        self.max_fused_rows = AMX_FUSED_ROWS if runs_on_amx(fmt, linear.out_features) else MAX_FUSED_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear
@@ -105,7 +115,7 @@ class QuantizedLinear:
             return linear.forward_native(x)
         rows = x.reshape(-1, linear.in_features)
         scales = getattr(linear, "weight_scale", None) if self.format == "int8" else None
-        if rows.shape[0] <= MAX_FUSED_ROWS:
+        if rows.shape[0] <= self.max_fused_rows:
             out = quantized_linear(rows, linear.weight, self.format, linear.out_features, linear.bias, scales)
         else:
             weight = dequantize_weight(linear.weight, self.format, linear.out_features, linear.in_features, scales)
