@@ -204,6 +204,10 @@ void tile(const float* x, const float* w, const float* bias, float* y, int K, in
 //
 //   for each block b of 32 inputs:  for c in 0..3:  w_lo, w_hi = dequantize(W[n + c], b)
 //                                                   acc[r][c] += x[r, b] * w  (r < ROWS)
+// Rows ahead to prefetch: the same block two tiles on. The hardware prefetcher does not run
+// that far ahead of four interleaved rows; without it the embedded model's Q8_0 lm_head at
+// batch 1 took ~2.9 ms instead of ~1.8 (weights from memory; a prefetch past the end is harmless).
+constexpr int PREFETCH_ROWS = 8;
 template <int FORMAT, int ROWS>
 void small_batch_tile(const float* x, const uint8_t* w, int64_t stride, const float* scales, const float* bias,
                       float* y, int K, int N) {
@@ -218,6 +222,7 @@ void small_batch_tile(const float* x, const uint8_t* w, int64_t stride, const fl
         }
         for (int c = 0; c < 4; ++c) {
             __m512 lo, hi;
+            _mm_prefetch(reinterpret_cast<const char*>(w + (c + PREFETCH_ROWS) * stride + int64_t(b) * bytes), _MM_HINT_T0);
             dequantize_block<FORMAT>(w + c * stride + int64_t(b) * bytes, lo, hi);
             for (int r = 0; r < ROWS; ++r)
                 acc[4 * r + c] = _mm512_fmadd_ps(xs[r][1], hi, _mm512_fmadd_ps(xs[r][0], lo, acc[4 * r + c]));
