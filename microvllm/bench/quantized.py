@@ -226,7 +226,8 @@ def bench_quantization(args) -> None:
     print("(tok/s of a decode-only step = batch / its median seconds; start = LLM() (HF: model + "
           "tokenizer), warm; RSS added over a process with torch and transformers imported, when LLM() "
           "returns and at its peak after the decode runs (the KV cache's pages become resident as "
-          "blocks are first written); budget = (weights + KV cache) x 1.25, for both; llama.cpp: its C API, B sequences per llama_decode, start = the model "
+          "blocks are first written); budget = (weights + KV cache) x 1.25, for both; llama.cpp: its C API, "
+          "B sequences per llama_decode, start = the model "
           "file loaded, RSS after both batch sizes ran)")
     report_quality(formats)
 

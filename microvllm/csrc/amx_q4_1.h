@@ -20,14 +20,7 @@
 //
 // (each product is exact; the tile sums in float32, as any GEMM does, in its own order).
 //
-// Two shapes of the work, by rows of x (M):
-//
-//   1-5 rows (decode, small batch)   the weights are the A tile, x's parts B's columns
-//                                    (few_rows_item, below)
-//   6 rows and more                  x is the A tile, the weights B (work_item):
-//
-// 6 rows and more. One work item: 16 output columns (an n tile) for up to 16 rows of x.
-// Per block b:
+// One work item: 16 output columns (an n tile) for up to 16 rows of x. Per block b:
 //
 //   B tile  [16 k-pairs][16 columns][2] bf16: q of the 16 rows' block b in AMX's pair
 //           ("VNNI") order, built in registers: four dword gathers take bytes 4t..4t+3 of
@@ -38,12 +31,16 @@
 //   C tile  S for this block; stored, then per row: acc += S * d + X * m  (AVX-512)
 //
 // Measured on the embedded model's shapes (30 layers' Q4_1 projections, weights streamed
-// from memory, 2 threads of a Sapphire Rapids-class Xeon), against quantized_linear.cpp's
-// AVX-512 paths: 1 row 6.0 vs 7.9 ms, 8 rows 10 vs 34 ms, 32 rows 24-27 vs 39-41 ms.
+// from memory, 2 threads of a Sapphire Rapids-class Xeon) against quantized_linear.cpp's
+// AVX-512 wide tiles: 5 rows 9.1 vs 32.5 ms, 32 rows 24-30 vs 39-41 ms. At 1-4 rows its
+// register tiles stay faster (4.7-5.6 against 5.8-6.3 ms at 1 row, for a version of this
+// file with the weights as the A tile): with so few rows of x, unpacking a block into a tile
+// costs more than the tile multiply saves.
 //
 // Requires AMX (amx_tile, amx_bf16, AVX-512 BF16 and BW in a -march=native build), Linux's
 // permission to use the tiles (ready()), N % 16 == 0 and K % 32 == 0. Included by
-// quantized_linear.cpp, whose q4_1_linear calls linear() when all of that holds.
+// quantized_linear.cpp, whose q4_1_linear calls linear() from 5 rows of x on when all of
+// that holds.
 #pragma once
 
 #include <immintrin.h>
@@ -82,7 +79,7 @@ inline void configure_tiles(int rows) {
 // Per-thread buffers kept between calls (a decode step makes ~120 calls).
 template <typename T>
 inline T* thread_buffer(int which, int64_t count) {
-    thread_local std::vector<T> buffers[5];
+    thread_local std::vector<T> buffers[4];
     std::vector<T>& buffer = buffers[which];
     if (int64_t(buffer.size()) < count) buffer.resize(count);
     return buffer.data();
@@ -184,140 +181,6 @@ constexpr WorkItem WORK_ITEMS[17] = {
     work_item<7>, work_item<8>, work_item<9>, work_item<10>, work_item<11>, work_item<12>,
     work_item<13>, work_item<14>, work_item<15>, work_item<16>};
 
-// ---- 1-5 rows of x (a decode step at small batch): the weights as the A tile ----
-//
-// With one row of x, a 16 x 16 C tile would have one useful row. So the roles swap: 16
-// weight rows are A (each row's block is 32 consecutive k, its natural order, so no
-// transpose is needed), and x is B, its three parts side by side as columns:
-//
-//   A  [16 weight rows][32 k] bf16          one block of 16 rows, unpacked per block
-//   B  [16 k-pairs][3M columns][2] bf16     column 3r + p: part p of x row r (built per call)
-//   C  [16 weight rows][3M] float32         S of each (row, x row, part), one tdpbf16ps
-//
-// and the accumulators hold C's layout (lane l of vector v: C's element 16v + l), each
-// lane scaled by its weight row's d; the three parts are added at the end.
-
-constexpr int FEW_ROWS = 5;   // 3 x 5 = 15 columns: the most a 16-column tile holds
-
-// x's parts -> every block's B tile, one after another: [K/32][16][3M][2].
-inline void x_as_b_tiles(const uint16_t* hi, const uint16_t* mid, const uint16_t* lo, uint16_t* bx, int M, int K) {
-    const uint16_t* parts[3] = {hi, mid, lo};
-    const int cols = 3 * M;
-    for (int b = 0; b < K / QK; ++b)
-        for (int pair = 0; pair < 16; ++pair)
-            for (int r = 0; r < M; ++r)
-                for (int p = 0; p < 3; ++p)
-                    for (int e = 0; e < 2; ++e)
-                        bx[((int64_t(b) * 16 + pair) * cols + 3 * r + p) * 2 + e] =
-                            parts[p][int64_t(r) * K + b * QK + 2 * pair + e];
-}
-
-// Block b of 16 weight rows -> the A tile: row n = q[n, 0..31] as bf16 (the low nibbles are
-// k 0-15, the high ones k 16-31, so a row's 16 bytes widen to 16-bit lanes, split, and
-// look up their bf16 bits).
-inline void weights_as_a_tile(const uint8_t* block0, int64_t stride, uint16_t* tile) {
-    const __m256i nibble = _mm256_set1_epi16(0x0f);
-    for (int n = 0; n < TILE; ++n) {
-        // The same block two tiles on (its 16 rows are the next work item but one): the
-        // hardware prefetcher does not follow 16 interleaved rows this far ahead, and
-        // without it the weights arrived ~1.3x slower (a prefetch past the end is harmless).
-        _mm_prefetch(reinterpret_cast<const char*>(block0 + (n + 2 * TILE) * stride), _MM_HINT_T0);
-        const __m256i bytes = _mm256_cvtepu8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(block0 + n * stride + 4)));
-        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, nibble)),
-                                             _mm256_srli_epi16(bytes, 4), 1);
-        _mm512_store_si512(reinterpret_cast<__m512i*>(tile + 32 * n), _mm512_permutexvar_epi16(q, BF16_OF_NIBBLE));
-    }
-}
-
-inline void configure_few_rows_tiles(int M) {
-    TileConfig config;
-    auto shape = [&](int tile, int r, int bytes) { config.rows[tile] = r; config.bytes_per_row[tile] = bytes; };
-    shape(0, 16, 12 * M);   // C: 16 weight rows x 3M float32
-    shape(1, 16, 64);       // A: 16 weight rows x 32 bf16
-    shape(2, 16, 12 * M);   // B: 16 k-pairs x 3M columns x 2 bf16
-    shape(3, 16, 12 * M); shape(4, 16, 64); shape(5, 16, 12 * M);   // the same, for a second block
-    _tile_loadconfig(&config);
-}
-
-// One work item: 16 outputs of each of the M rows of x.
-template <int M>
-void few_rows_item(const uint16_t* bx, const float* sums, const uint8_t* w, int64_t stride, __m512i rows_at,
-                   const float* bias, float* y, int N, int K) {
-    constexpr int COLS = 3 * M;   // also the C tile's size in 16-float vectors
-    const int blocks = K / QK;
-    alignas(64) uint16_t a_tile[16 * 32], a_tile1[16 * 32];
-    alignas(64) float c[TILE * COLS];
-    __m512 acc[COLS], acc_m[M];
-    __m512i row_of[COLS];         // lane l of C vector v belongs to weight row (16v + l) / COLS
-    for (int v = 0; v < COLS; ++v) {
-        acc[v] = _mm512_setzero_ps();
-        alignas(64) int32_t rows[16];
-        for (int l = 0; l < 16; ++l) rows[l] = (16 * v + l) / COLS;
-        row_of[v] = _mm512_load_si512(rows);
-    }
-    for (int r = 0; r < M; ++r) acc_m[r] = _mm512_setzero_ps();
-    // Two blocks per iteration on two sets of tiles (A, B, C: tmm1-2-0 and tmm4-5-3): a
-    // block's C must be stored and read back before it is scaled, and with one set each
-    // block waited for the previous one's multiply to come back (~2x slower).
-    alignas(64) float c1[TILE * COLS];
-    auto scale = [&](const float* cb, int b, __m512 d, __m512 m) {
-        for (int v = 0; v < COLS; ++v)
-            acc[v] = _mm512_fmadd_ps(_mm512_load_ps(cb + 16 * v), _mm512_permutexvar_ps(row_of[v], d), acc[v]);
-        for (int r = 0; r < M; ++r) acc_m[r] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), m, acc_m[r]);
-    };
-    auto scales = [&](int b, __m512& d, __m512& m) {
-        const __m512i dm = _mm512_i32gather_epi32(rows_at, w + int64_t(b) * BLOCK_BYTES, 1);
-        d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
-        m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
-    };
-    int b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-        __m512 d0, m0, d1, m1;
-        scales(b, d0, m0);
-        scales(b + 1, d1, m1);
-        weights_as_a_tile(w + int64_t(b) * BLOCK_BYTES, stride, a_tile);
-        weights_as_a_tile(w + int64_t(b + 1) * BLOCK_BYTES, stride, a_tile1);
-        _tile_loadd(1, a_tile, 64);
-        _tile_loadd(2, bx + int64_t(b) * 16 * COLS * 2, COLS * 4);
-        _tile_zero(0);
-        _tile_dpbf16ps(0, 1, 2);
-        _tile_loadd(4, a_tile1, 64);
-        _tile_loadd(5, bx + int64_t(b + 1) * 16 * COLS * 2, COLS * 4);
-        _tile_zero(3);
-        _tile_dpbf16ps(3, 4, 5);
-        _tile_stored(0, c, COLS * 4);
-        _tile_stored(3, c1, COLS * 4);
-        scale(c, b, d0, m0);
-        scale(c1, b + 1, d1, m1);
-    }
-    if (b < blocks) {   // an odd number of blocks: the last one alone
-        __m512 d0, m0;
-        scales(b, d0, m0);
-        weights_as_a_tile(w + int64_t(b) * BLOCK_BYTES, stride, a_tile);
-        _tile_loadd(1, a_tile, 64);
-        _tile_loadd(2, bx + int64_t(b) * 16 * COLS * 2, COLS * 4);
-        _tile_zero(0);
-        _tile_dpbf16ps(0, 1, 2);
-        _tile_stored(0, c, COLS * 4);
-        scale(c, b, d0, m0);
-    }
-    for (int v = 0; v < COLS; ++v) _mm512_store_ps(c + 16 * v, acc[v]);
-    for (int r = 0; r < M; ++r) {
-        alignas(64) float mterm[TILE];
-        _mm512_store_ps(mterm, acc_m[r]);
-        for (int n = 0; n < TILE; ++n) {
-            const float* parts = c + n * COLS + 3 * r;
-            y[int64_t(r) * N + n] = parts[0] + parts[1] + parts[2] + mterm[n] + (bias ? bias[n] : 0.f);
-        }
-    }
-}
-
-using FewRowsItem = void (*)(const uint16_t*, const float*, const uint8_t*, int64_t, __m512i, const float*,
-                             float*, int, int);
-constexpr FewRowsItem FEW_ROWS_ITEMS[FEW_ROWS + 1] = {nullptr, few_rows_item<1>, few_rows_item<2>,
-                                                      few_rows_item<3>, few_rows_item<4>, few_rows_item<5>};
-
 // Linux's permission for this process to use the tile registers (off by default: saving
 // them costs 8 KiB per thread switch), asked once; false if refused (before Linux 5.16).
 inline bool ready() {
@@ -339,20 +202,6 @@ inline void linear(const float* x, const uint8_t* w, const float* bias, float* y
     const __m512i rows_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32(int(stride)));
     const int n_tiles = N / TILE;
-    if (M <= FEW_ROWS) {
-        uint16_t* bx = thread_buffer<uint16_t>(4, int64_t(K) * 3 * M);
-        x_as_b_tiles(hi, mid, lo, bx, M, K);
-        #pragma omp parallel
-        {
-            configure_few_rows_tiles(M);
-            #pragma omp for schedule(static)
-            for (int t = 0; t < n_tiles; ++t)
-                FEW_ROWS_ITEMS[M](bx, sums, w + int64_t(t) * TILE * stride, stride, rows_at,
-                                  bias ? bias + t * TILE : nullptr, y + t * TILE, N, K);
-            _tile_release();
-        }
-        return;
-    }
     for (int m0 = 0; m0 < M; m0 += TILE) {
         const int rows = M - m0 < TILE ? M - m0 : TILE;
         const int64_t at = int64_t(m0) * K;

@@ -68,7 +68,7 @@ def test_q4_1_runs_on_amx_tiles_where_the_cpu_has_them():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows,k", [(1, 576), (4, 1536), (5, 576), (17, 1536), (32, 576)])
+@pytest.mark.parametrize("rows,k", [(5, 576), (17, 1536), (32, 576)])
 def test_amx_q4_1_is_as_exact_as_a_float32_sum(request, rows, k):
     """x is split into three bf16 parts that add up to it exactly: the result is off from
     the exact sum by float32 roundoff alone, a few units of 2^-24 times sum |x w| (measured

@@ -4,8 +4,8 @@
     GGUF Q4_1, Q8_0; int8           quantized_linear.cpp: each       dequantize_rows into a
                                     thread dequantizes 16 rows into  temporary float32 weight,
                                     L2 and multiplies them there     then F.linear (oneDNN/MKL)
-    GGUF Q4_1 on an AMX CPU         amx_q4_1.h (the 4-bit integers on AMX tiles), up to 256
-                                    rows; it beats dequantizing + oneDNN up to ~512 here
+    GGUF Q4_1 on an AMX CPU         from 5 rows, amx_q4_1.h (the 4-bit integers on AMX tiles),
+                                    up to 256 rows: it beats dequantizing + oneDNN to ~512 here
     GGUF F16, anything else         forward_native (dequantize in torch, F.linear)
 
 A decode step is bound by the bytes of weights it reads; the fused kernel reads each
