@@ -38,8 +38,9 @@ void int8_linear(const void* x, const void* weight, const void* scales, const vo
 // int8_linear with the GEMM signature (for the decode fast path): weight_and_scales = {weight, scales}.
 void int8_linear_pair(const void* x, const void* weight_and_scales, const void* bias, void* y, int M, int N, int K);
 void dequantize_rows(int format, const void* weight, const void* scales, void* out, int N, int K);
-// 1 if q4_1_linear multiplies 5 rows of x and more on AMX tiles here (amx_q4_1.h), else 0.
-int q4_1_amx_ready();
+// 1 if q4_1_linear and q8_0_linear multiply 5 rows of x and more on AMX tiles here
+// (amx_quantized_linear.h), else 0.
+int quantized_amx_ready();
 
 // argmax.cpp: greedy sampling, the first index of each row's maximum (or first NaN).
 void argmax_rows(const void* logits, void* out, int rows, int64_t vocab);

@@ -22,8 +22,8 @@
 //                                     scratch (L2), x transposed once per call (64 rows at a
 //                                     time), and tiles that broadcast a weight against 16 rows
 //                                     of x per instruction
-//   Q4_1, 5 rows and more, on AMX     amx_q4_1.h: the 4-bit integers multiplied on AMX tiles
-//                                     against x split exactly into three bf16 parts
+//   Q4_1 / Q8_0, 5 rows and more,     amx_quantized_linear.h: the integers multiplied on AMX
+//   on AMX                            tiles against x split exactly into three bf16 parts
 //   without AVX-512                   groups of 16 weight rows dequantized into the scratch,
 //                                     then 4 x 4 tiles of dot products (plain loops where the
 //                                     CPU lacks AVX-512; the compiler vectorizes what it can)
@@ -44,8 +44,8 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define MICROVLLM_AMX_Q4_1 1
-#include "amx_q4_1.h"
+#define MICROVLLM_AMX_QUANTIZED 1
+#include "amx_quantized_linear.h"
 #endif
 
 namespace {
@@ -325,9 +325,9 @@ void linear(int format, const float* x, const uint8_t* w, const float* scales, c
             float* y, int M, int N, int K) {
     const int64_t stride = row_bytes(format, K);
     const int groups = (N + G - 1) / G;
-#ifdef MICROVLLM_AMX_Q4_1
-    if (format == Q4_1 && M > SMALL_BATCH && N % amx_q4_1::TILE == 0 && amx_q4_1::ready()) {
-        amx_q4_1::linear(x, w, bias, y, M, N, K);   // (K % 32 == 0: a Q4_1 row is whole blocks)
+#ifdef MICROVLLM_AMX_QUANTIZED
+    if (format != INT8 && M > SMALL_BATCH && N % amx_quantized::TILE == 0 && amx_quantized::ready()) {
+        amx_quantized::linear(format == Q8_0, x, w, bias, y, M, N, K);   // (K % 32 == 0: whole blocks)
         return;
     }
 #endif
@@ -395,9 +395,9 @@ void int8_linear_pair(const void* x, const void* weight_and_scales, const void* 
     int8_linear(x, pair[0], pair[1], bias, y, M, N, K);
 }
 
-int q4_1_amx_ready() {
-#ifdef MICROVLLM_AMX_Q4_1
-    return amx_q4_1::ready() ? 1 : 0;
+int quantized_amx_ready() {
+#ifdef MICROVLLM_AMX_QUANTIZED
+    return amx_quantized::ready() ? 1 : 0;
 #else
     return 0;
 #endif

@@ -19,7 +19,7 @@ from tests.attention.cases import seed_for
 
 needs_kernels = pytest.mark.skipif(quantized_gemm.status() is not None,
                                    reason=f"quantized kernels unavailable: {quantized_gemm.status()}")
-ROWS = [1, 3, 4, 5, 17, 32, 64]   # Q4_1 from 5 rows on an AMX CPU: amx_q4_1.h (17: two row tiles)
+ROWS = [1, 3, 4, 5, 17, 32, 64]   # Q4_1, Q8_0 from 5 rows on an AMX CPU: amx_quantized_linear.h
 SHAPES = [(4, 32), (20, 64), (96, 576), (960, 576), (576, 1536)]
 FORMATS = ["Q4_1", "Q8_0", "int8"]
 
@@ -59,25 +59,26 @@ def test_kernel_matches_the_torch_dequantization(request, fmt, rows, n, k, bias)
 
 
 @needs_kernels
-def test_q4_1_runs_on_amx_tiles_where_the_cpu_has_them():
-    """So that on such a CPU the Q4_1 cases above from 5 rows on check amx_q4_1.h (N a
-    multiple of 16; the others take the AVX-512 wide tiles)."""
+def test_gguf_blocks_run_on_amx_tiles_where_the_cpu_has_them():
+    """So that on such a CPU the Q4_1 and Q8_0 cases above from 5 rows on check
+    amx_quantized_linear.h (N a multiple of 16; the others take the AVX-512 paths)."""
     if not {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= kernels.cpu_flags():
         pytest.skip("this CPU has no AMX")
-    assert kernels.load("quantized_linear").q4_1_amx_ready() == 1
+    assert kernels.load("quantized_linear").quantized_amx_ready() == 1
 
 
 @needs_kernels
 @pytest.mark.parametrize("rows,k", [(5, 576), (17, 1536), (32, 576)])
-def test_amx_q4_1_is_as_exact_as_a_float32_sum(request, rows, k):
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_amx_blocks_are_as_exact_as_a_float32_sum(request, fmt, rows, k):
     """x is split into three bf16 parts that add up to it exactly: the result is off from
     the exact sum by float32 roundoff alone, a few units of 2^-24 times sum |x w| (measured
     ~1; with x cut to two parts it is ~16-20, which the test above cannot see)."""
-    if not kernels.load("quantized_linear").q4_1_amx_ready():
-        pytest.skip("Q4_1 does not run on AMX tiles here")
-    q, _, reference = quantized_case(request, "Q4_1", 96, k)
+    if not kernels.load("quantized_linear").quantized_amx_ready():
+        pytest.skip("GGUF blocks do not run on AMX tiles here")
+    q, _, reference = quantized_case(request, fmt, 96, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed_for(request.node.name) + 1))
-    got = quantized_gemm.quantized_linear(x, q, "Q4_1", 96).double()
+    got = quantized_gemm.quantized_linear(x, q, fmt, 96).double()
     exact, scale = x.double() @ reference.double().T, x.double().abs() @ reference.double().abs().T
     assert ((got - exact).abs() / scale).max().item() <= 4 * 2.0 ** -24
 

@@ -4,8 +4,9 @@
     GGUF Q4_1, Q8_0; int8           quantized_linear.cpp: each       dequantize_rows into a
                                     thread dequantizes 16 rows into  temporary float32 weight,
                                     L2 and multiplies them there     then F.linear (oneDNN/MKL)
-    GGUF Q4_1 on an AMX CPU         from 5 rows, amx_q4_1.h (the 4-bit integers on AMX tiles),
-                                    up to 256 rows: it beats dequantizing + oneDNN to ~512 here
+    GGUF Q4_1, Q8_0 on an AMX CPU   from 5 rows, amx_quantized_linear.h (the integers on AMX
+                                    tiles), up to 256 rows: Q4_1 beats dequantizing + oneDNN
+                                    to ~512 rows here
     GGUF F16, anything else         forward_native (dequantize in torch, F.linear)
 
 A decode step is bound by the bytes of weights it reads; the fused kernel reads each
@@ -29,7 +30,7 @@ from microvllm.platforms.cpu import kernels
 
 FORMATS = {"Q4_1": 0, "Q8_0": 1, "int8": 2}   # quantized_linear.cpp's format numbers
 MAX_FUSED_ROWS = 64    # more rows than this: dequantize, then F.linear
-AMX_FUSED_ROWS = 256   # the same for Q4_1 on AMX tiles
+AMX_FUSED_ROWS = 256   # the same for Q4_1 and Q8_0 on AMX tiles
 ROW_GROUP = 4          # the kernel needs N to be a multiple of this
 
 
@@ -39,9 +40,10 @@ def status() -> str | None:
 
 
 def runs_on_amx(fmt: str, out_features: int) -> bool:
-    """Whether ``quantized_linear`` multiplies this weight on AMX tiles here (amx_q4_1.h)."""
-    return fmt == "Q4_1" and out_features % 16 == 0 and status() is None \
-        and kernels.load("quantized_linear").q4_1_amx_ready() == 1
+    """Whether ``quantized_linear`` multiplies this weight on AMX tiles here, from 5 rows
+    (amx_quantized_linear.h)."""
+    return fmt in ("Q4_1", "Q8_0") and out_features % 16 == 0 and status() is None \
+        and kernels.load("quantized_linear").quantized_amx_ready() == 1
 
 
 def weight_format(linear) -> str | None:
