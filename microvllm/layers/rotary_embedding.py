@@ -27,8 +27,7 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     if rope_type == "default":
-        # On the CPU, named: the loader builds the model under torch.device("meta"), where
-        # this division would run torch's Python meta kernels (importing them costs ~0.6 s).
+        # device="cpu": under the loader's torch.device("meta") this would run torch's slow meta kernels
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         return 1.0 / (theta ** exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
