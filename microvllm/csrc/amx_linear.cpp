@@ -39,9 +39,8 @@
 // platforms/cpu/gemm_kernels.py.
 
 #include "ops.h"   // this file's C entry points, declared once
+#include "amx_tiles.h"
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 
@@ -55,15 +54,6 @@ constexpr int PREFETCH_AHEAD = 4;   // k blocks; 2-8 measured alike
 
 // An inline function, not a lambda: GCC dropped __builtin_prefetch inside a [&] lambda.
 inline void prefetch_line(const char* p) { __builtin_prefetch(p, 0, 3); }
-
-// The 64-byte operand of ldtilecfg: the shape of each tile register.
-struct TileConfig {
-    uint8_t palette_id = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-};
 
 // Shape the tiles for a chunk of `rows` rows of x (1..32): rows 0-15 go to tmm0/1/4,
 // the rest to tmm2/3/5. Unused tiles get no rows.
@@ -141,12 +131,8 @@ void tile_task(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
 
 extern "C" {
 
-// Ask Linux for this process's permission to use the AMX tile registers (they are
-// off by default: saving them costs 8 KiB per thread switch). Returns 0 on success.
-int amx_init() {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return int(syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA));
-}
+// Linux's permission for the tiles (amx_tiles.h). Returns 0 on success.
+int amx_init() { return request_amx_tiles(); }
 
 // x [M, K], packed_w as above, bias [N] or null, y [M, N]; all bf16 as uint16.
 void amx_linear(const void* x_, const void* packed_w, const void* bias_, void* y_,

@@ -13,8 +13,8 @@
 //   y[m, n] = sum_b  d[n,b] * S[m,n,b]  +  m[n,b] * X[m,b]       (Q8_0: m = 0)
 //            S[m,n,b] = sum_{k in b} q[n,k] * x[m,k]        X[m,b] = sum_{k in b} x[m,k]
 //
-// S is what the tiles compute. q is exact in bfloat16 (8 bits of significand); a float32 x is not (24 bits
-// of significand against 8), so x is split exactly into three bfloat16 parts,
+// S is what the tiles compute. q is exact in bfloat16 (8 bits of significand); a float32 x
+// is not (24 bits), so x is split exactly into three bfloat16 parts,
 // x = hi + mid + lo (each the rounded rest of the one before), and
 //
 //   S = q.hi + q.mid + q.lo          three tdpbf16ps into one float32 C tile
@@ -35,8 +35,7 @@
 // Measured on the embedded model's shapes (30 layers' Q4_1 projections, weights streamed
 // from memory, 2 threads of a Sapphire Rapids-class Xeon) against quantized_linear.cpp's
 // AVX-512 wide tiles: 5 rows 9.1 vs 32.5 ms, 32 rows 24-30 vs 39-41 ms; its Q8_0 lm_head
-// (49152 x 576) at 32 rows 9.3 vs 12.2 ms. At 1-4 rows its
-// register tiles stay faster (4.7-5.6 against 5.8-6.3 ms at 1 row, for a version of this
+// (49152 x 576) at 32 rows 9.3 vs 12.2 ms. At 1-4 rows its register tiles stay faster (4.7-5.6 against 5.8-6.3 ms at 1 row, for a version of this
 // file with the weights as the A tile): with so few rows of x, unpacking a block into a tile
 // costs more than the tile multiply saves.
 //
@@ -47,26 +46,17 @@
 #pragma once
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
-#include <cstring>
-#include <vector>
+
+#include "amx_tiles.h"
+#include "thread_buffer.h"
 
 namespace amx_quantized {
 
 constexpr int QK = 32;            // weights per GGUF block = bf16 per A-tile row
 constexpr int block_bytes(bool q8) { return q8 ? 34 : 20; }   // a Q8_0 or Q4_1 block
 constexpr int TILE = 16;          // rows of x and columns of y per work item
-
-struct TileConfig {               // the 64-byte operand of ldtilecfg
-    uint8_t palette_id = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-};
 
 // tmm0: C (rows x 16 float32)   tmm1: B (16 k-pairs x 16 columns x 2 bf16)
 // tmm2, tmm3, tmm4: A = x's hi, mid, lo parts (rows x 32 bf16)
@@ -79,26 +69,18 @@ inline void configure_tiles(int rows) {
     _tile_loadconfig(&config);
 }
 
-// Per-thread buffers kept between calls (a decode step makes ~120 calls).
-template <typename T>
-inline T* thread_buffer(int which, int64_t count) {
-    thread_local std::vector<T> buffers[4];
-    std::vector<T>& buffer = buffers[which];
-    if (int64_t(buffer.size()) < count) buffer.resize(count);
-    return buffer.data();
-}
-
 inline __m512 bf16_bits_to_float(__m256i bits) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// x [M, K] -> its three bf16 parts [M, K] each, and the block sums X [M, K/32].
+// x [M, K] -> its three bf16 parts [M, K] each, and the block sums X [M, K/32] (unless
+// `sums` is null: Q8_0 has no m to multiply them by).
 inline void split_x(const float* x, uint16_t* hi, uint16_t* mid, uint16_t* lo, float* sums, int M, int K) {
     #pragma omp parallel for schedule(static)
     for (int m = 0; m < M; ++m)
         for (int b = 0; b < K / QK; ++b) {
             __m512 total = _mm512_setzero_ps();
-            for (int half = 0; half < 2; ++half) {
+            for (int half = 0; half < 2; ++half) {   // (the compiler drops `total` when unused)
                 const int64_t at = int64_t(m) * K + b * QK + 16 * half;
                 const __m512 v = _mm512_loadu_ps(x + at);
                 const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
@@ -111,7 +93,7 @@ inline void split_x(const float* x, uint16_t* hi, uint16_t* mid, uint16_t* lo, f
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + at), l);
                 total = _mm512_add_ps(total, v);
             }
-            sums[int64_t(m) * (K / QK) + b] = _mm512_reduce_add_ps(total);
+            if (sums) sums[int64_t(m) * (K / QK) + b] = _mm512_reduce_add_ps(total);
         }
 }
 
@@ -212,13 +194,9 @@ constexpr WorkItem WORK_ITEMS[17] = {
     work_item<Q8, 11>, work_item<Q8, 12>, work_item<Q8, 13>, work_item<Q8, 14>, work_item<Q8, 15>,
     work_item<Q8, 16>};
 
-// Linux's permission for this process to use the tile registers (off by default: saving
-// them costs 8 KiB per thread switch), asked once; false if refused (before Linux 5.16).
+// Linux's permission for the tile registers (amx_tiles.h), asked once.
 inline bool ready() {
-    static const bool granted = [] {
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
+    static const bool granted = request_amx_tiles() == 0;
     return granted;
 }
 
@@ -230,7 +208,7 @@ inline void linear(bool q8, const float* x, const uint8_t* w, const float* bias,
     uint16_t* hi = thread_buffer<uint16_t>(0, int64_t(M) * K);
     uint16_t* mid = thread_buffer<uint16_t>(1, int64_t(M) * K);
     uint16_t* lo = thread_buffer<uint16_t>(2, int64_t(M) * K);
-    float* sums = thread_buffer<float>(3, int64_t(M) * blocks);
+    float* sums = q8 ? nullptr : thread_buffer<float>(2, int64_t(M) * blocks);   // (float 0, 1: quantized_linear.cpp's)
     split_x(x, hi, mid, lo, sums, M, K);
     const __m512i rows_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32(int(stride)));

@@ -39,7 +39,7 @@
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include "thread_buffer.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -111,16 +111,6 @@ inline void dequantize_block(const uint8_t* block, __m512& lo, __m512& hi) {
 }
 
 #endif
-
-// Per-thread buffers kept between calls: a decode step makes ~120 calls, and a fresh
-// allocation of this size each time (mapped, zeroed, unmapped by malloc) cost more than
-// the arithmetic at batch 32.
-float* thread_buffer(int which, int64_t floats) {
-    thread_local std::vector<float> buffers[2];
-    std::vector<float>& buffer = buffers[which];
-    if (int64_t(buffer.size()) < floats) buffer.resize(floats);
-    return buffer.data();
-}
 
 // One row of W (K weights) -> K floats.
 void dequantize_row(int format, const uint8_t* row, float scale, float* out, int K) {
@@ -287,13 +277,13 @@ void linear_wide(int format, const float* x, const uint8_t* w, const float* scal
     const int64_t stride = row_bytes(format, K);
     for (int m0 = 0; m0 < M; m0 += 64) {
         const int rows_x = M - m0 < 64 ? M - m0 : 64, MV = (rows_x + 15) / 16, MP = 16 * MV;
-        float* xT = thread_buffer(0, int64_t(K) * MP);
+        float* xT = thread_buffer<float>(0, int64_t(K) * MP);
         for (int k = 0; k < K; ++k)
             for (int r = 0; r < MP; ++r) xT[int64_t(k) * MP + r] = r < rows_x ? x[int64_t(m0 + r) * K + k] : 0.f;
         const int groups = (N + WIDE_GROUP - 1) / WIDE_GROUP;
         #pragma omp parallel
         {
-            float* scratch = thread_buffer(1, int64_t(WIDE_GROUP) * K);
+            float* scratch = thread_buffer<float>(1, int64_t(WIDE_GROUP) * K);
             alignas(64) float out[24 * 16];
             #pragma omp for schedule(static)
             for (int g = 0; g < groups; ++g) {
@@ -352,7 +342,7 @@ void linear(int format, const float* x, const uint8_t* w, const float* scales, c
 #endif
     #pragma omp parallel
     {
-        float* scratch = thread_buffer(1, int64_t(G) * K);
+        float* scratch = thread_buffer<float>(1, int64_t(G) * K);
         #pragma omp for schedule(static)
         for (int g = 0; g < groups; ++g) {
             const int n0 = g * G, rows = N - n0 < G ? N - n0 : G;   // a multiple of 4
