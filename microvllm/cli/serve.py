@@ -34,5 +34,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds open streams get to finish after SIGTERM before they are aborted")
+    from microvllm.entrypoints.openai.request_limits import RequestLimits
+
+    limits = RequestLimits()
+    parser.add_argument("--max-request-body-bytes", type=int, default=limits.max_request_body_bytes,
+                        help="a larger request body is refused with a 413, from its Content-Length at once or "
+                             "when a chunked body passes it (default: %(default)s, 32 MiB)")
+    parser.add_argument("--request-header-timeout", type=float, default=limits.request_header_timeout,
+                        help="seconds a connection gets to send a request's headers, else a 408 and the "
+                             "connection is closed (default: %(default)s)")
+    parser.add_argument("--request-body-timeout", type=float, default=limits.request_body_timeout,
+                        help="seconds a request's whole body gets to arrive after its headers, else a 408 and "
+                             "the connection is closed (default: %(default)s)")
     EngineArgs.add_cli_args(parser.add_argument_group("engine arguments"))
     return parser

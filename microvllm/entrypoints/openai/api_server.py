@@ -14,7 +14,9 @@
 
 Every error has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: a bad
 field, malformed JSON or a feature microvllm lacks is a 400 naming the field; a missing
-or wrong API key 401; an unknown model or route 404; a request that failed inside the
+or wrong API key 401; an unknown model or route 404; headers or a body slower than
+``--request-header-timeout`` / ``--request-body-timeout`` 408, a body over
+``--max-request-body-bytes`` 413 (``request_guard.py``); a request that failed inside the
 engine 500 (the engine goes on: ``engine/fault_isolation.py``). No exception escapes to
 uvicorn, so a failed request never breaks the next one on the same connection.
 
@@ -42,19 +44,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from microvllm.engine.arg_utils import EngineArgs
 from microvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from microvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                    ErrorInfo, ErrorResponse, ModelCard, ModelList,
                                                    TokenizeRequest)
+from microvllm.entrypoints.openai.request_guard import RequestGuard, with_header_timeout
+from microvllm.entrypoints.openai.request_limits import RequestLimits
 from microvllm.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown
 
 logger = logging.getLogger(__name__)
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def error_response(status: int, message: str, kind: str | None = None, param: str | None = None) -> JSONResponse:
@@ -168,6 +173,7 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
 
     app = FastAPI(title="microvllm", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(RequestGuard)   # body size, time and text (request_guard.py), inside CatchAll
     app.add_middleware(CatchAll)
 
     @app.middleware("http")
@@ -196,6 +202,8 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
     async def http_error(_request: Request, exc: StarletteHTTPException):
         message = {404: "no such route: see /docs for the routes this server has",
                    405: "this route does not take that method"}.get(exc.status_code, str(exc.detail))
+        if exc.status_code == 400 and exc.__cause__ is not None:   # FastAPI's "error parsing the body"
+            message = f"the request body cannot be parsed as JSON ({type(exc.__cause__).__name__}: {exc.__cause__})"
         return error_response(exc.status_code, message)
 
     def unknown_model(name: str | None) -> JSONResponse | None:
@@ -345,11 +353,15 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(engine, served[0], served_model_names=served[1:], api_key=api_key,
                     chat_template=chat_template, on_engine_dead=engine_dead)
+    limits = RequestLimits.from_cli_args(args)
+    app.state.request_limits = limits   # read by RequestGuard
     logger.info("serving %s on http://%s:%d", served[0], args.host, args.port)
     # uvicorn waits for open connections up to its own timeout; ours aborts the requests
     # a little earlier, so every stream can still send its last chunk and [DONE].
+    # uvicorn has no deadline for a request's headers: its protocol class gets one.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                            http=with_header_timeout(AutoHTTPProtocol, limits.request_header_timeout))
     server = GracefulServer(config, engine, args.shutdown_timeout)
     # uvicorn catches SIGTERM / SIGINT, stops gracefully, then raises the signal again
     # with the handlers that were there before it: these make that a normal exit.

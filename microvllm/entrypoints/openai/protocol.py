@@ -100,6 +100,11 @@ class _SamplingFields(BaseModel):
         fields, or (chat) ``response_format`` and a required tool call; at most one."""
         given = {}
         if self.structured_outputs is not None:
+            unknown = sorted(set(self.structured_outputs) - set(StructuredOutputsParams.__slots__))
+            if unknown:
+                raise ValueError(f"structured_outputs has no field {', '.join(map(repr, unknown))}: give one of "
+                                 f"{', '.join(StructuredOutputsParams.KINDS)} (and, for JSON, "
+                                 "disable_any_whitespace)")
             try:
                 given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
             except TypeError as error:
