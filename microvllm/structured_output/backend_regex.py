@@ -9,11 +9,24 @@ may come next iff reading t's characters from ``s`` never reaches a dead state::
     token "."     -> live           allowed        token "5a"  -> 5, a: dead     masked
     token " 7"    -> " ": dead      masked         EOS: allowed (the text "3" matches)
 
-Checking every vocabulary entry character by character is slow (49,152 entries for
-SmolLM2), so the vocabulary is a trie: tokens that share a prefix share its walk, and a
-dead prefix prunes all tokens below it. Each state's mask is remembered: a pattern
-visits few states. Tokens that are not whole characters (a byte of a multi-byte
-character) and special tokens are never allowed while a grammar runs.
+Checking every vocabulary entry byte by byte is slow (49,152 entries for SmolLM2), so
+the vocabulary is a trie: tokens that share a prefix share its walk, and a dead prefix
+prunes all tokens below it. Each state's mask is remembered: a pattern visits few states.
+
+The DFA reads UTF-8 bytes, and so does the trie: a token is its bytes, even when they
+are only part of a character (a byte-level BPE has such tokens for every character it
+has no whole token for). A character split over tokens is then no special case::
+
+    choice ["😀 smile", "🙂 ok"]        😀 = F0 9F 98 80,  🙂 = F0 9F 99 82
+    SmolLM2's tokens, each [its bytes]:
+
+    start ─[F0 9F]─> a ─[98]────> b ─[80]─> c ─[20 73 6D 69 6C 65]─> accept    😀 " smile"
+                     └─[99 82]──────────> d ─[20 6F 6B]───────────> accept    🙂 " ok"
+
+    State a sits inside a character: only a token whose bytes start with 98 or 99 may
+    come next ([98], [99 82], ...); [80], " ok" and whole characters are masked.
+
+Special tokens are never allowed while a grammar runs.
 """
 
 from __future__ import annotations
@@ -27,22 +40,24 @@ from microvllm.structured_output.backend_types import (
 )
 from microvllm.structured_output.bitmask import pack
 from microvllm.structured_output.regex_dfa import RegexDFA
+from microvllm.structured_output.token_bytes import is_text, token_bytes_reader
 
 
 class TokenTrie:
-    """The vocabulary's texts as a trie: ``children[node]`` maps a character to a node,
-    ``ends[node]`` lists the ids whose text ends there. Node 0 is the empty prefix."""
+    """The vocabulary's tokens as a trie of their UTF-8 bytes: ``children[node]`` maps a
+    byte (an int) to a node, ``ends[node]`` lists the ids whose bytes end there. Node 0
+    is the empty prefix. A text given as ``str`` is read as its UTF-8 bytes."""
 
-    def __init__(self, texts: dict[int, str]):
-        self.children: list[dict[str, int]] = [{}]
+    def __init__(self, texts: dict[int, str] | dict[int, bytes]):
+        self.children: list[dict[int, int]] = [{}]
         self.ends: list[list[int]] = [[]]
         for token_id, text in texts.items():
             node = 0
-            for ch in text:
-                nxt = self.children[node].get(ch)
+            for byte in text.encode() if isinstance(text, str) else text:
+                nxt = self.children[node].get(byte)
                 if nxt is None:
                     nxt = len(self.children)
-                    self.children[node][ch] = nxt
+                    self.children[node][byte] = nxt
                     self.children.append({})
                     self.ends.append([])
                 node = nxt
@@ -51,7 +66,8 @@ class TokenTrie:
     def allowed_from(self, dfa: RegexDFA, state: int) -> list[int]:
         """Every id whose whole text can be read from ``state`` without dying.
 
-        A depth-first walk of the trie, carrying the DFA state each prefix reaches::
+        A depth-first walk of the trie, carrying the DFA state each prefix reaches (an
+        edge is one byte: an ASCII character, or a piece of a longer one)::
 
             node 0 ("", state) ──"1"──> ("1", s1) ──"4"──> ("14", s2)   ids ending at "1", "14": allowed
                                └─" "──> DEAD: prune, never walk below (" 7", " a", ...)
@@ -74,22 +90,25 @@ class TokenTrie:
 
 
 class TokenVocabulary:
-    """What the backend needs of a tokenizer: each usable id's text, the EOS ids."""
+    """What the backend needs of a tokenizer: each usable id's bytes, the EOS ids.
+
+    ``token_bytes[id]``: what the id adds to the output's UTF-8 bytes (every id but the
+    special ones); ``texts[id]``: the same as text, for the ids that are whole characters
+    (for people to read: ``b"\\xf0\\x9f"``, the start of 😀, has none)."""
 
     def __init__(self, tokenizer, vocab_size: int, trie_class: type = TokenTrie):
         hf = getattr(tokenizer, "hf_tokenizer", tokenizer)
         special = set(getattr(hf, "all_special_ids", []))
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or {hf.eos_token_id} - {None})
-        texts = {}
+        read_bytes = token_bytes_reader(hf)
+        self.token_bytes: dict[int, bytes] = {}
         for token_id in range(min(vocab_size, len(hf))):
-            if token_id in special:
-                continue
-            text = hf.decode([token_id], skip_special_tokens=False)
-            if text and "\ufffd" not in text:   # whole characters only
-                texts[token_id] = text
-        self.texts = texts
-        self.trie = trie_class(texts)
+            data = None if token_id in special else read_bytes(token_id)
+            if data:
+                self.token_bytes[token_id] = data
+        self.texts = {token_id: data.decode() for token_id, data in self.token_bytes.items() if is_text(data)}
+        self.trie = trie_class(self.token_bytes)
 
 
 class RegexGrammar(StructuredOutputGrammar):
@@ -123,8 +142,8 @@ class RegexGrammar(StructuredOutputGrammar):
                 self.terminated = True
                 states.append(state)
                 continue
-            text = self.vocabulary.texts.get(token)
-            nxt = self.dfa.walk(state, text) if text is not None else self.dfa.DEAD
+            data = self.vocabulary.token_bytes.get(token)
+            nxt = self.dfa.walk(state, data) if data is not None else self.dfa.DEAD
             if nxt == self.dfa.DEAD:
                 return False
             states.append(nxt)

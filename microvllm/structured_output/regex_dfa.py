@@ -1,4 +1,4 @@
-"""A regular expression as a DFA over characters: the course's own grammar engine.
+"""A regular expression as a DFA over UTF-8 bytes: the course's own grammar engine.
 
 Three classic steps (Thompson 1968; the subset construction), small enough to read:
 
@@ -9,12 +9,32 @@ Three classic steps (Thompson 1968; the subset construction), small enough to re
     0 ──ε┤         └─b─> 3 ─ε┘ ...                 │        └─b─> {3} ─c─> {5}✓
          └─d──────────────────> (5)                └─d─> {5}✓
 
-The DFA is built lazily: a state's move on a character is computed the first time
-it is asked for, then remembered. Two facts make it a constrained-decoding engine:
+The DFA is built lazily: a state's move on a byte is computed the first time it is
+asked for, then remembered. Two facts make it a constrained-decoding engine:
 
 - ``is_accepting(state)``: the text so far matches the whole pattern (EOS may come);
-- ``is_live(state)``: *some* continuation can still match. A state with no way to an
+- live (not ``DEAD``): *some* continuation can still match. A state with no way to an
   accepting NFA state is dead: a token that leads there must be masked out.
+
+Why bytes, not characters: a byte-level BPE tokenizer splits a character it has no
+token for over several tokens, so a token may hold only some bytes of a character::
+
+    "😀 smile"  =  F0 9F 98 80 20 73 6D 69 6C 65         (😀 is U+1F600: 4 bytes)
+    SmolLM2:       [F0 9F] [98] [80] [20 73 6D 69 6C 65]  4 tokens; the first 3 are not text
+
+So the parser reads characters (a ``CharSet`` is a set of code points), and each set
+becomes, in the NFA, the UTF-8 encodings of its characters as chains of byte ranges::
+
+    [é😀]          ┌─C3─> 1 ─A9──────────────────> (exit)     é  = C3 A9
+          entry ──┤
+                   └─F0─> 2 ─9F─> 3 ─98─> 4 ─80──> (exit)     😀 = F0 9F 98 80
+
+A whole range is a few such chains (``utf8_sequences``): U+0080..U+07FF, every 2-byte
+character, is the one chain [C2-DF][80-BF]. Nothing else changes: the DFA is built the
+same way, a state in the middle of a character is live exactly when some bytes can
+still complete a character the pattern allows, and any text a live state accepts is
+valid UTF-8. ASCII characters are one byte each, so an ASCII pattern's NFA and DFA are
+what a character DFA would build.
 
 Supported: literals, ``.``, ``[...]`` / ``[^...]`` with ranges, ``\\d \\w \\s \\D \\W \\S``
 and escaped punctuation, groups ``(...)`` / ``(?:...)``, ``|``, ``* + ?`` and ``{m}``,
@@ -27,19 +47,69 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_REPEAT = 1000   # {m,n} is unrolled into copies: bound the NFA's size
+MAX_CODE_POINT = 0x10FFFF
+SURROGATES = (0xD800, 0xDFFF)   # code points that are not characters: UTF-8 cannot encode them
 
 
 @dataclass(frozen=True)
 class CharSet:
-    """A set of characters as sorted inclusive ranges, maybe negated (``[^...]``)."""
+    """A set of characters as sorted inclusive ranges of code points, maybe negated (``[^...]``)."""
 
     ranges: tuple[tuple[int, int], ...]
     negated: bool = False
 
-    def __contains__(self, ch: str) -> bool:
-        code = ord(ch)
-        inside = any(lo <= code <= hi for lo, hi in self.ranges)
-        return inside != self.negated
+    def code_point_ranges(self) -> list[tuple[int, int]]:
+        """The characters in the set: sorted, disjoint ranges, negation applied, surrogates left out."""
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted(self.ranges):
+            if merged and lo <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+            else:
+                merged.append((lo, hi))
+        if self.negated:   # the gaps between the ranges, up to the last code point
+            gaps, after = [], 0
+            for lo, hi in merged:
+                if lo > after:
+                    gaps.append((after, lo - 1))
+                after = hi + 1
+            merged = gaps + ([(after, MAX_CODE_POINT)] if after <= MAX_CODE_POINT else [])
+        first, last = SURROGATES
+        return [(a, b) for lo, hi in merged
+                for a, b in ((lo, min(hi, first - 1)), (max(lo, last + 1), hi)) if a <= b]
+
+    def utf8_sequences(self) -> list[tuple[tuple[int, int], ...]]:
+        """Every character of the set as byte-range chains (see ``utf8_sequences``)."""
+        return [sequence for lo, hi in self.code_point_ranges() for sequence in utf8_sequences(lo, hi)]
+
+
+UTF8_LENGTH_ENDS = (0x7F, 0x7FF, 0xFFFF)   # the last code point of 1-, 2- and 3-byte encodings
+
+
+def utf8_sequences(lo: int, hi: int) -> list[tuple[tuple[int, int], ...]]:
+    """The UTF-8 encodings of the code points ``lo..hi`` as chains of byte ranges (the
+    algorithm of RE2 and of Rust's ``utf8-ranges``; surrogates must not be in the range)::
+
+        U+0061..U+007A  a-z       [61-7A]                      1 byte
+        U+00E9..U+00FF  é-ÿ       [C3][A9-BF]                  2 bytes
+        U+0800..U+FFFF            [E0][A0-BF][80-BF]           3 bytes: split where the
+                                  [E1-EF][80-BF][80-BF]         first byte's range changes
+
+    A chain is right when ``lo`` and ``hi`` encode to as many bytes, and each byte after
+    the first either stays fixed or runs over all of 80-BF: then the chain is simply
+    (first byte of lo .. of hi), (second .. second), ... So split the range until it is."""
+    for end in UTF8_LENGTH_ENDS:   # both ends must encode to the same number of bytes
+        if lo <= end < hi:
+            return utf8_sequences(lo, end) + utf8_sequences(end + 1, hi)
+    if hi <= 0x7F:
+        return [((lo, hi),)]
+    for i in (1, 2, 3):   # the last i continuation bytes hold the low 6 * i bits
+        low_bits = (1 << 6 * i) - 1
+        if lo & ~low_bits != hi & ~low_bits:   # the bytes before them differ:
+            if lo & low_bits != 0:                  # the low bytes of lo must start at 80..80
+                return utf8_sequences(lo, lo | low_bits) + utf8_sequences((lo | low_bits) + 1, hi)
+            if hi & low_bits != low_bits:           # and those of hi end at BF..BF
+                return utf8_sequences(lo, (hi & ~low_bits) - 1) + utf8_sequences(hi & ~low_bits, hi)
+    return [tuple(zip(chr(lo).encode(), chr(hi).encode()))]
 
 
 def _chars(text: str) -> tuple[tuple[int, int], ...]:
@@ -201,9 +271,10 @@ class _Parser:
 # --------------------------------------------------------------------- NFA
 @dataclass
 class NFA:
-    """Thompson's NFA: ``edges[s]`` = [(CharSet, t)], ``eps[s]`` = [t], one accept state."""
+    """Thompson's NFA over bytes: ``edges[s]`` = [((lo, hi), t)]: any byte lo..hi leads
+    to t; ``eps[s]`` = [t]; one accept state."""
 
-    edges: list[list[tuple[CharSet, int]]] = field(default_factory=list)
+    edges: list[list[tuple[tuple[int, int], int]]] = field(default_factory=list)
     eps: list[list[int]] = field(default_factory=list)
     start: int = 0
     accept: int = 0
@@ -216,9 +287,15 @@ class NFA:
     def build(self, tree) -> tuple[int, int]:
         """A fragment (entry, exit) for ``tree``."""
         kind = tree[0]
-        if kind == "set":
+        if kind == "set":   # one chain of byte ranges per UTF-8 sequence, entry to exit
             entry, exit_ = self.new_state(), self.new_state()
-            self.edges[entry].append((tree[1], exit_))
+            for sequence in tree[1].utf8_sequences():
+                at = entry
+                for byte_range in sequence[:-1]:
+                    inner = self.new_state()
+                    self.edges[at].append((byte_range, inner))
+                    at = inner
+                self.edges[at].append((sequence[-1], exit_))
             return entry, exit_
         if kind == "cat":
             entry = exit_ = self.new_state()
@@ -270,7 +347,7 @@ class RegexDFA:
         self._live_nfa = self._coreachable()
         self._ids: dict[frozenset[int], int] = {}
         self._sets: list[frozenset[int]] = []
-        self._moves: dict[tuple[int, str], int] = {}
+        self._moves: dict[tuple[int, int | str], int] = {}
         self.start = self._state(self._closure({self.nfa.start}))
 
     def _closure(self, states) -> frozenset[int]:
@@ -283,8 +360,8 @@ class RegexDFA:
         return frozenset(seen)
 
     def _coreachable(self) -> set[int]:
-        """NFA states from which the accept state can be reached (every CharSet here is
-        non-empty, so any edge can be taken by some character)."""
+        """NFA states from which the accept state can be reached (every byte range is
+        non-empty, so any edge can be taken by some byte)."""
         reverse: list[list[int]] = [[] for _ in self.nfa.edges]
         for s, edges in enumerate(self.nfa.edges):
             for _, t in edges:
@@ -307,19 +384,25 @@ class RegexDFA:
             self._sets.append(nfa_states)
         return self._ids[nfa_states]
 
-    def step(self, state: int, ch: str) -> int:
-        """The state after reading ``ch`` (``DEAD`` if no match can follow)."""
+    def step(self, state: int, symbol: int | str) -> int:
+        """The state after reading ``symbol`` (``DEAD`` if no match can follow): one byte
+        (an int 0-255, as the token trie walks), or one character, read as its UTF-8
+        bytes (``step(s, "é")`` is ``step(step(s, 0xC3), 0xA9)``)."""
         if state == self.DEAD:
             return self.DEAD
-        key = (state, ch)
+        key = (state, symbol)
         if key not in self._moves:
-            moved = {t for s in self._sets[state] for charset, t in self.nfa.edges[s] if ch in charset}
-            self._moves[key] = self._state(self._closure(moved)) if moved else self.DEAD
+            self._moves[key] = self.walk(state, symbol) if isinstance(symbol, str) else self._move(state, symbol)
         return self._moves[key]
 
-    def walk(self, state: int, text: str) -> int:
-        for ch in text:
-            state = self.step(state, ch)
+    def _move(self, state: int, byte: int) -> int:
+        moved = {t for s in self._sets[state] for (lo, hi), t in self.nfa.edges[s] if lo <= byte <= hi}
+        return self._state(self._closure(moved)) if moved else self.DEAD
+
+    def walk(self, state: int, text: str | bytes) -> int:
+        """The state after ``text``'s bytes (a ``str`` is read as UTF-8)."""
+        for byte in text.encode() if isinstance(text, str) else text:
+            state = self.step(state, byte)
             if state == self.DEAD:
                 break
         return state

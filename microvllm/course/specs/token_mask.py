@@ -8,7 +8,8 @@ EXERCISE = Exercise(
     lecture="15 · structured outputs",
     intro="""You write the heart of the course's structured-output backend: given the DFA state the
 text is in, which vocabulary tokens may come next (`TokenTrie.allowed_from`). A token spans several
-characters, so several DFA states; it is allowed only if reading *all* of its characters never
+bytes (the DFA reads UTF-8: an ASCII character is one byte, 😀 is four, and a token may hold only
+part of a character), so several DFA states; it is allowed only if reading *all* of its bytes never
 reaches the dead state. The vocabulary is a trie, so that tokens sharing a prefix share its walk and
 a dead prefix prunes every token below it.""",
     setup="""
@@ -18,9 +19,9 @@ from microvllm.checks import check_token_trie, run_engine_with
 """,
     parts=(Part(TokenTrie, methods=("allowed_from",), intro="""Your class is the engine's `TokenTrie`
 with your `allowed_from`. Its constructor (given) built the trie from `{token_id: text}`:
-`self.children[node]` maps a character to the child node, `self.ends[node]` lists the ids whose
-text ends exactly there, and node 0 is the empty prefix. The DFA gives
-`dfa.step(state, ch)` (the next state, or `dfa.DEAD`)."""),),
+`self.children[node]` maps a byte of the text's UTF-8 (an int) to the child node, `self.ends[node]`
+lists the ids whose text ends exactly there, and node 0 is the empty prefix. The DFA gives
+`dfa.step(state, ch)` (the next state, or `dfa.DEAD`) for a byte `ch`."""),),
     todos={
         "TokenTrie.allowed_from": "walk the trie from node 0 with the DFA at `state`; enter a child only if "
                                   "dfa.step(at, ch) != dfa.DEAD; return the ids in self.ends of every node reached",
@@ -29,7 +30,7 @@ text ends exactly there, and node 0 is the empty prefix. The DFA gives
 `allowed_from(dfa, state) -> list[int]`: every token id whose whole text can be read from the DFA
 state `state` without reaching `dfa.DEAD`:
 
-- a token is allowed iff every character of its text, stepped one by one from `state`, keeps the
+- a token is allowed iff every byte of its text, stepped one by one from `state`, keeps the
   DFA alive — then some text still completes the pattern; a forbidden token is one after which
   nothing can;
 - an id may end at a node that has children (`"1."` under `"1"`): add the ids of *every* node you

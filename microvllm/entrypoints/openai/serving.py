@@ -151,7 +151,7 @@ class OpenAIServing:
 
     def _completion_events(self, request, request_id, first, results, n) -> AsyncIterator[str]:
         created, prompt_tokens, completion_tokens = int(time.time()), {}, {}
-        sent: dict[tuple[int, int], int] = {}   # (prompt, sample) -> tokens already sent
+        progress = StreamProgress()   # keyed by (prompt, sample)
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
 
         async def chunks():
@@ -160,10 +160,9 @@ class OpenAIServing:
                 choices = []
                 for c in out.outputs:
                     key = (index, c.index)
-                    start = sent.get(key, 0)
-                    if len(c.token_ids) == start and c.finish_reason is None:
+                    start = progress.advance(key, c)
+                    if start is None:
                         continue
-                    sent[key] = len(c.token_ids)
                     completion_tokens[key] = len(c.token_ids)
                     echo = request.echo and start == 0
                     text = ((out.prompt or "") if echo else "") + c.delta_text
@@ -240,15 +239,14 @@ class OpenAIServing:
         async def chunks():
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None} for i in range(request.n)]}
-            sent: dict[int, int] = {}
+            progress = StreamProgress()   # keyed by the choice's index
             async for _, out in _chain_async(first, results):
                 last["out"] = out
                 choices = []
                 for c in out.outputs:
-                    start = sent.get(c.index, 0)
-                    if len(c.token_ids) == start and c.finish_reason is None:
+                    start = progress.advance(c.index, c)
+                    if start is None:
                         continue
-                    sent[c.index] = len(c.token_ids)
                     if calls_tools:   # the calls are sent whole, once the JSON is complete
                         if c.finish_reason is not None:
                             choices.append(_tool_call_chunk(request, c))
@@ -267,6 +265,35 @@ class OpenAIServing:
 
 
 # ------------------------------------------------------------------ helpers
+class StreamProgress:
+    """What each choice of a stream has sent, so that every token goes out once and every
+    choice ends once. Each ``RequestOutput`` of an n > 1 request carries all n choices,
+    the finished ones too, unchanged, until the last one finishes::
+
+        output   choice 0 (tokens, finish)    choice 1          advance() says
+          1      [a b]      None              [x]      None     0: from 0    1: from 0
+          2      [a b c]    "stop"            [x y]    None     0: from 2    1: from 1
+          3      [a b c]    "stop"  (again)   [x y z]  "stop"   0: None      1: from 2
+                                  ^ already ended: sending it again repeats its last
+                                    chunk (a tool call's arguments twice, a 2nd finish)
+    """
+
+    def __init__(self):
+        self.sent: dict = {}      # key -> number of tokens already sent
+        self.ended: set = set()   # keys whose finish_reason was sent
+
+    def advance(self, key, c: CompletionOutput) -> int | None:
+        """The index of ``c``'s first unsent token, or None if ``c`` has nothing to send
+        (no new token and no finish yet, or it has already ended)."""
+        start = self.sent.get(key, 0)
+        if key in self.ended or (len(c.token_ids) == start and c.finish_reason is None):
+            return None
+        self.sent[key] = len(c.token_ids)
+        if c.finish_reason is not None:
+            self.ended.add(key)
+        return start
+
+
 async def _sse_stream(chunks: AsyncIterator[dict], head: dict, stream_options, usage) -> AsyncIterator[str]:
     """Server-sent events: each chunk; then the usage chunk if asked for; a stream that
     fails midway ends with an error event instead; always ``data: [DONE]`` last."""
