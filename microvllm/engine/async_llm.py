@@ -53,6 +53,12 @@ class RequestFailedError(RuntimeError):
     (``engine/fault_isolation.py``)."""
 
 
+class RequestRejectedError(RequestFailedError, ValueError):
+    """This request failed midway by its own fault: its grammar allows no token, or none
+    that its other rules allow (``Engine._fail_grammar``). A ``ValueError`` too, so a
+    server answers 400, as for any other request it cannot serve."""
+
+
 class AsyncLLM:
     """An engine driven by a background thread; ``generate`` is an async generator.
 
@@ -131,7 +137,7 @@ class AsyncLLM:
                     raise EngineDeadError(f"the engine failed: {out!r}") from out
                 finished = out.finished
                 if out.error is not None:
-                    raise RequestFailedError(out.error)
+                    raise (RequestRejectedError if out.bad_request else RequestFailedError)(out.error)
                 if kind == RequestOutputKind.DELTA:
                     yield _delta(out)
                 elif kind == RequestOutputKind.CUMULATIVE or finished:

@@ -170,6 +170,7 @@ class Engine:
         grammars = None
         if params.structured_outputs is not None:
             grammars = self.structured_output_manager.compile(params, params.n)
+            self.structured_output_manager.check_can_start(params, grammars[0])   # all n are alike
         return ProcessedRequest(request_id, text, token_ids, params, grammars)
 
     def tokenize_prompt(self, prompt, params: SamplingParams, *,
@@ -280,9 +281,10 @@ class Engine:
                                                          runner_output.spec_token_ids)
         if self.fault_isolation is not None:
             self.fault_isolation.passed(core.request_id for core in core_outputs)
-        core_outputs = self._advance_grammars(core_outputs)
+        core_outputs, failed = self._advance_grammars(core_outputs)
         outputs, stopped = self.output_processor.process(core_outputs, runner_output.logprobs,
                                                          runner_output.prompt_logprobs)
+        outputs.extend(failed)
         if stopped:  # stop strings, found by the detokenizer
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._forget_finished_grammars()
@@ -309,25 +311,52 @@ class Engine:
         return dataclasses.replace(plan, structured_output_request_ids=tuple(rows),
                                    grammar_bitmask=manager.grammar_bitmask(rows))
 
-    def _advance_grammars(self, core_outputs) -> list:
+    def _advance_grammars(self, core_outputs) -> tuple[list, list]:
         """Each structured request's matcher takes its new tokens. A grammar that is
         complete (it accepted EOS where it may end, with ``ignore_eos`` on so the
-        scheduler went on) finishes its request: "stop", as EOS would."""
+        scheduler went on) finishes its request: "stop", as EOS would. A token the
+        grammar refuses is never output: its request fails (``_fail_grammar``).
+        Returns (the core outputs to process, the outputs of the requests that failed)."""
         manager = self.structured_output_manager
         if not manager.grammars:
-            return core_outputs
-        result = []
+            return core_outputs, []
+        result, failed = [], []
         for core in core_outputs:
             if core.request_id in manager.grammars and core.new_token_ids:
                 if not manager.accept_tokens(core.request_id, list(core.new_token_ids)):
-                    # Only a sampler that ignored the mask gets here (it allows nothing else).
-                    logger.error("request %r sampled %s, which its grammar does not allow: the "
-                                 "sampler ignored the grammar bitmask", core.request_id, list(core.new_token_ids))
-                elif manager.is_terminated(core.request_id) and core.finish_reason is None:
+                    output = self._fail_grammar(core.request_id, list(core.new_token_ids))
+                    failed.extend([output] if output is not None else [])
+                    continue
+                if manager.is_terminated(core.request_id) and core.finish_reason is None:
                     self.scheduler.finish_requests(core.request_id, RequestStatus.FINISHED_STOPPED)
                     core = dataclasses.replace(core, finish_reason="stop")
             result.append(core)
-        return result
+        return result, failed
+
+    def _fail_grammar(self, child_id: str, token_ids: list[int]) -> RequestOutput | None:
+        """A sample drew ``token_ids``, which its grammar refuses. The mask allowed nothing
+        (a grammar that dead-ends, e.g. regex ``a[^\\s\\S]`` after "a"), or the request's
+        other rules (min_tokens, bad_words, allowed_token_ids) forbade all it allowed, so
+        every logit was -inf. As in vLLM (``FINISHED_ERROR``), the whole request ends with
+        ``finish_reason="error"`` and the reason; the refused tokens are never output."""
+        request_id = self.output_processor.parent_id(child_id)
+        if not self.output_processor.has(request_id):
+            return None   # another sample of it failed earlier in this step
+        manager = self.structured_output_manager
+        request = self.scheduler.requests.get(child_id)   # None if this step also ended it
+        num_before = request.num_output_tokens - len(token_ids) if request is not None else None
+        after = "here" if num_before is None else f"after {num_before} generated token{'s' * (num_before != 1)}"
+        if manager.allows_nothing(manager.grammars[child_id]):
+            reason = (f"structured_outputs: the grammar allows no token {after}, not even the end of "
+                      "the text: no continuation of the output so far can match it")
+            logger.warning("request %r: %s", child_id, reason)
+        else:
+            reason = (f"structured_outputs: every token the grammar allows {after} is forbidden by the "
+                      "request's other rules (min_tokens, bad_words, allowed_token_ids, logit_bias)")
+            logger.error("request %r sampled %s, which its grammar refuses: %s (or the sampler ignored "
+                         "the grammar bitmask)", child_id, token_ids, reason)
+        self.scheduler.finish_requests(self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.fail(request_id, reason, bad_request=True)
 
     def _forget_finished_grammars(self) -> None:
         manager = self.structured_output_manager

@@ -174,12 +174,14 @@ class OutputProcessor:
         child = self.children.get(child_id)
         return child.parent.request_id if child is not None else child_id
 
-    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+    def fail(self, request_id: str, message: str, bad_request: bool = False) -> RequestOutput | None:
         """End a request that failed inside a step: its unfinished samples get
-        ``finish_reason="error"``, and the output carries ``message`` in ``error``."""
+        ``finish_reason="error"``, and the output carries ``message`` in ``error``.
+        ``bad_request``: the request's own fault (a grammar no output can follow), not
+        the engine's; a server answers 400 instead of 500."""
         output = self.abort(request_id, finish_reason="error")
         if output is not None:
-            output.error = message
+            output.error, output.bad_request = message, bad_request
         return output
 
     def abort(self, request_id: str, finish_reason: str = "abort") -> RequestOutput | None:

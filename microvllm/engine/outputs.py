@@ -59,6 +59,7 @@ class RequestOutput:
     num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None             # why it failed, when finish_reason is "error"
+    bad_request: bool = False            # ... and the request itself is at fault (its grammar): a 400
 
     def __repr__(self) -> str:
         texts = [o.text[:40] for o in self.outputs]

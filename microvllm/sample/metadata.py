@@ -75,6 +75,11 @@ class SamplingMetadata:
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
     allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
     bad_words_banned_ids: dict[int, set[int]] = field(default_factory=dict)
+    # Structured outputs: row grammar_rows[i] may sample only what bitmask row i allows
+    # (structured_output/bitmask.py). Applied after the raw logprobs are taken, as every
+    # rule above is: logprobs describe the model, not the grammar.
+    grammar_bitmask: torch.Tensor | None = None      # [len(grammar_rows), words] int32
+    grammar_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams],
@@ -83,6 +88,8 @@ class SamplingMetadata:
                     eos_token_ids: set[int] | frozenset[int] = frozenset(),
                     token_ids: list[list[int]] | None = None,
                     num_prompt_tokens: list[int] | None = None,
+                    grammar_bitmask: torch.Tensor | None = None,
+                    grammar_rows: list[int] | None = None,
                     device: str | torch.device = "cpu") -> "SamplingMetadata":
         """Batch the parameters of this step's requests, in row order.
 
@@ -92,6 +99,8 @@ class SamplingMetadata:
             (unless the request sets ignore_eos).
         token_ids[i], num_prompt_tokens[i]: request i's prompt + output ids so far and
             where its prompt ends (read only when a request has a penalty).
+        grammar_bitmask, grammar_rows: the step's token bitmask of the structured rows
+            and which row each of its rows masks (the engine's ``plan.grammar_bitmask``).
         """
         num_reqs = len(params)
         generators = generators if generators is not None else [None] * num_reqs
@@ -153,6 +162,8 @@ class SamplingMetadata:
             allowed_token_ids={row: p.allowed_token_ids for row, p in enumerate(params)
                                if getattr(p, "allowed_token_ids", None) is not None},
             bad_words_banned_ids={row: ids for row, ids in bad_words.items() if ids},
+            grammar_bitmask=grammar_bitmask,
+            grammar_rows=list(grammar_rows or ()),
         )
 
     @property

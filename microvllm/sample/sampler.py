@@ -2,7 +2,8 @@
 
     logits [num_reqs, vocab] ──┬─> log_softmax ──────────────────────────> logprobs (raw)
                                └─> min_tokens: ban eos/stop ids; logit_bias,
-                                   allowed_token_ids, bad words (logits_processors.py)
+                                   allowed_token_ids, bad words (logits_processors.py);
+                                   the grammar bitmask (structured outputs)
                                    -> repetition / frequency / presence penalties
                                       ├─> argmax ─────────────────────────> greedy rows
                                       └─> / temperature -> top_k -> top_p
@@ -28,6 +29,7 @@ from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.penalties import apply_min_tokens_penalty, apply_penalties
 from microvllm.sample.topk_topp_sampler import apply_min_p, apply_top_k, apply_top_p, random_sample
 from microvllm.sampling_params import SAMPLING_EPS
+from microvllm.structured_output.bitmask import apply_bitmask
 
 
 class Argmax(CustomOp):
@@ -78,16 +80,21 @@ class Sampler(nn.Module):
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
         """Every rule that changes a row's logits before the draw: min_tokens bans, logit_bias,
-        allowed_token_ids, bad words, then the penalties. Returns new logits when a rule
-        applies (the caller's stay untouched), else ``logits`` itself. The rejection
-        sampler of speculative decoding runs the same rules on each draft position."""
+        allowed_token_ids, bad words, the grammar bitmask, then the penalties. Returns new
+        logits when a rule applies (the caller's stay untouched), else ``logits`` itself.
+        The rejection sampler of speculative decoding runs the same rules on each draft
+        position. The caller takes the raw logprobs before this, so none of these rules,
+        the grammar included, changes them (vLLM's default ``logprobs_mode``)."""
         m = sampling_metadata
-        if m.min_tokens_banned_ids or m.logit_bias or m.allowed_token_ids or m.bad_words_banned_ids:
+        if (m.min_tokens_banned_ids or m.logit_bias or m.allowed_token_ids or m.bad_words_banned_ids
+                or m.grammar_bitmask is not None):
             logits = logits.clone()
             apply_min_tokens_penalty(logits, m.min_tokens_banned_ids.items())
             apply_logit_bias(logits, m.logit_bias)
             apply_allowed_token_ids(logits, m.allowed_token_ids)
             apply_min_tokens_penalty(logits, m.bad_words_banned_ids.items())  # the same ban
+            if m.grammar_bitmask is not None:   # forbidden ids -> -inf
+                apply_bitmask(logits, m.grammar_bitmask, m.grammar_rows)
         if m.repetition_penalties is not None:  # greedy rows too, as in vLLM
             logits = apply_penalties(logits, m.prompt_token_ids, m.output_token_ids,
                                      m.presence_penalties, m.frequency_penalties, m.repetition_penalties)

@@ -4,12 +4,15 @@ a grammar or a list of choices (vLLM: ``v1/structured_output/``).
     SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
         at the door (Engine.process_request; the server runs it off the engine thread):
             manager.compile(params) -> one grammar (matcher) per sample
+            manager.check_can_start: a first mask that allows nothing -> ValueError (400)
         each step (Engine.step):
             plan = scheduler.schedule()
             manager.grammar_bitmask(rows that sample a token) -> int32 [rows, vocab/32]
-            runner: logits of those rows masked (-inf where the bit is 0) before sampling
+            sampler: raw logprobs first, then those rows masked (-inf where the bit
+                     is 0) with the other logits rules, then the draw
             scheduler.update_from_output -> manager.accept_tokens(each new token)
             a grammar that accepted EOS is terminated: its request is finished
+            a token it refuses (the mask allowed nothing): the request fails, "error"
 
 Files: ``backend_types.py`` the interface; ``backend_regex.py`` + ``regex_dfa.py`` the
 course's own backend (regex and choice); ``backend_xgrammar.py`` the production one
@@ -28,7 +31,7 @@ from microvllm.structured_output.backend_types import (
     StructuredOutputGrammar,
     StructuredOutputOptions,
 )
-from microvllm.structured_output.bitmask import allocate_bitmask
+from microvllm.structured_output.bitmask import allocate_bitmask, allows_nothing
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "xgrammar", "course")
@@ -81,6 +84,22 @@ class StructuredOutputManager:
             if not message.startswith("structured_outputs"):
                 message = f"structured_outputs.{structured.kind} cannot be compiled: {message}"
             raise ValueError(message) from None
+
+    def check_can_start(self, params, grammar: StructuredOutputGrammar) -> None:
+        """``ValueError`` if ``grammar`` (just compiled for ``params``) allows no first token,
+        not even end of text: no output could ever match it (a regex such as ``[^\\s\\S]``,
+        or text that no token of this vocabulary can write). Known before the request
+        runs, so it is refused at the door (HTTP 400) instead of failing after a step."""
+        if self.allows_nothing(grammar):
+            kind = params.structured_outputs.kind
+            raise ValueError(f"structured_outputs.{kind} can never be matched: its grammar allows no token "
+                             "of this model's vocabulary at the start, not even the end of the text")
+
+    def allows_nothing(self, grammar: StructuredOutputGrammar) -> bool:
+        """True if ``grammar``'s next mask allows no token at all (its state is unchanged)."""
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        grammar.fill_bitmask(bitmask, 0)
+        return bool(allows_nothing(bitmask, self.vocab_size)[0])
 
     def add(self, request_id: str, grammar: StructuredOutputGrammar) -> None:
         self.grammars[request_id] = grammar

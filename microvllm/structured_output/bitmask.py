@@ -54,3 +54,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     if allowed.shape[-1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]), value=False)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def allows_nothing(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool ``[rows]``: True where a row allows no id below ``vocab_size`` (the bits past
+    it, in the last word, do not count). Sampling such a row can only break its grammar."""
+    return ~unpack(bitmask, vocab_size).any(dim=-1)

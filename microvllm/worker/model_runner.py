@@ -20,6 +20,7 @@ request's tokens and block table between steps (``CachedRequestState``,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,6 @@ from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from microvllm.sample.sampler import Sampler
 from microvllm.sampling_params import SamplingParams
-from microvllm.structured_output.bitmask import apply_bitmask
 from microvllm.worker.block_table import BlockTable
 
 
@@ -249,16 +249,18 @@ class ModelRunner:
         if plan.scheduled_spec_decode_tokens:
             return self._sample_with_drafts(plan, inputs, hidden, sampled_states, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
-        if plan.grammar_bitmask is not None:   # structured outputs: forbidden ids -> -inf
-            row_of = {s.req_id: row for row, s in enumerate(sampled_states)}
-            apply_bitmask(logits, plan.grammar_bitmask, [row_of[r] for r in plan.structured_output_request_ids])
+        # Structured outputs: the sampler masks these rows (forbidden ids -> -inf) after it
+        # has taken the raw logprobs.
+        row_of = {s.req_id: row for row, s in enumerate(sampled_states)}
         sampling_metadata = SamplingMetadata.from_params(
             [s.sampling_params for s in sampled_states],
             [s.generator for s in sampled_states],
             num_output_tokens=[s.num_output_tokens for s in sampled_states],
             eos_token_ids=self.eos_token_ids,
             token_ids=[s.token_ids for s in sampled_states],  # for penalties
-            num_prompt_tokens=[s.num_prompt_tokens for s in sampled_states])
+            num_prompt_tokens=[s.num_prompt_tokens for s in sampled_states],
+            grammar_bitmask=plan.grammar_bitmask,
+            grammar_rows=[row_of[r] for r in plan.structured_output_request_ids])
         # Built on the CPU, as the inputs are; the sampler reads it where the logits are.
         out = self.sampler(logits, sampling_metadata.to(logits.device))
         tokens = out.sampled_token_ids.tolist()
@@ -300,10 +302,10 @@ class ModelRunner:
         rows = [row for i, own in zip(inputs.sampling_req_indices, drafts)
                 for row in range(qsl[i + 1] - 1 - len(own), qsl[i + 1])]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float()
-        if plan.grammar_bitmask is not None:   # structured requests have no drafts: one row each
-            first_row = dict(zip((s.req_id for s in sampled_states),
-                                 torch.tensor([len(d) + 1 for d in drafts]).cumsum(0).sub(1).tolist()))
-            apply_bitmask(logits, plan.grammar_bitmask, [first_row[r] for r in plan.structured_output_request_ids])
+        # Structured requests have no drafts: one row each (its first), masked by the
+        # sampler's rules below, after the raw logprobs are taken.
+        first_row = dict(zip((s.req_id for s in sampled_states),
+                             itertools.accumulate((len(d) + 1 for d in drafts), initial=0)))
         # One "virtual request" per row: request a after 0, 1, ... of its drafts.
         per_row = [(s, own[:j]) for s, own in zip(sampled_states, drafts) for j in range(len(own) + 1)]
         needs_history = any(s.sampling_params.has_penalties or getattr(s.sampling_params, "bad_words_token_ids", None)
@@ -314,6 +316,8 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             token_ids=[s.token_ids + seen for s, seen in per_row] if needs_history else None,
             num_prompt_tokens=[s.num_prompt_tokens for s, _ in per_row] if needs_history else None,
+            grammar_bitmask=plan.grammar_bitmask,
+            grammar_rows=[first_row[r] for r in plan.structured_output_request_ids],
         ).to(logits.device)
         raw_logprobs = compute_logprobs(logits) if metadata.max_num_logprobs is not None else None
         output = self.rejection_sampler(SpecDecodeMetadata.from_lists(drafts, logits.device),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -73,7 +74,21 @@ async def merge(generators: list[AsyncIterator]) -> AsyncIterator[tuple[int, obj
 
 
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+    """One server-sent event. ``allow_nan=False``: Python's json would write NaN or
+    -Infinity, which no JSON parser reads; a non-finite float raises here instead (the
+    non-streamed path, Starlette's ``JSONResponse``, refuses them the same way)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, allow_nan=False)}\n\n"
+
+
+# JSON has no NaN or Infinity. Logprobs are the model's raw ones (before any grammar or
+# other rule), finite whenever its logits are; but a model can still give -inf (a logit
+# of -inf, or a probability below float32's range) or NaN (a broken forward pass). Such a
+# value is reported as vLLM's floor, -9999.0: "no chance at all", and valid JSON.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
 class OpenAIServing:
@@ -340,8 +355,12 @@ class ServerShuttingDown(RuntimeError):
 
 def error_event(error: Exception) -> dict:
     """The last event of a stream that failed midway (vLLM sends the same shape)."""
-    kind = "ServiceUnavailableError" if isinstance(error, EngineDeadError) else "InternalServerError"
-    code = 503 if isinstance(error, EngineDeadError) else 500
+    if isinstance(error, EngineDeadError):
+        kind, code = "ServiceUnavailableError", 503
+    elif isinstance(error, ValueError):   # RequestRejectedError: the request's own fault (its grammar)
+        kind, code = "BadRequestError", 400
+    else:
+        kind, code = "InternalServerError", 500
     return {"error": {"message": str(error), "type": kind, "param": None, "code": code}}
 
 
@@ -389,13 +408,13 @@ def _completion_logprobs(c: CompletionOutput, start: int, echoed: RequestOutput 
             row = echoed.prompt_logprobs[position] if echoed.prompt_logprobs else None
             # The first prompt token has no row (nothing predicts it): decode it alone.
             tokens.append(_token_text(row, token_id) if row or decode is None else decode(token_id))
-            token_logprobs.append(row[token_id].logprob if row else None)
-            top.append({lp.decoded_token: lp.logprob for lp in row.values()} if row else None)
+            token_logprobs.append(_finite(row[token_id].logprob) if row else None)
+            top.append({lp.decoded_token: _finite(lp.logprob) for lp in row.values()} if row else None)
     if not scoring_only:
         for token_id, row in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
             tokens.append(_token_text(row, token_id))
-            token_logprobs.append(row[token_id].logprob if token_id in row else None)
-            top.append({lp.decoded_token: lp.logprob for lp in row.values()})
+            token_logprobs.append(_finite(row[token_id].logprob) if token_id in row else None)
+            top.append({lp.decoded_token: _finite(lp.logprob) for lp in row.values()})
     offsets, offset = [], 0
     for token in tokens:
         offsets.append(offset)
@@ -412,7 +431,7 @@ def _prompt_logprobs(out: RequestOutput) -> list | None:
     """vLLM's ``prompt_logprobs`` in JSON: per position ``{id: {logprob, rank, decoded_token}}``."""
     if out.prompt_logprobs is None:
         return None
-    return [None if row is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+    return [None if row is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
                                                "decoded_token": lp.decoded_token}
                                       for t, lp in row.items()}
             for row in out.prompt_logprobs]
@@ -423,7 +442,7 @@ def _chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> dict:
     ``{"content": [{token, logprob, bytes, top_logprobs: [the top_n, by rank]}]}``."""
     def entry(lp) -> dict:
         token = lp.decoded_token or ""
-        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": _finite(lp.logprob), "bytes": list(token.encode())}
 
     content = []
     for token_id, row in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
