@@ -4,6 +4,10 @@
                        (default: $XDG_CACHE_HOME/microvllm, else ~/.cache/microvllm)
     CXX                the C++ compiler for the CPU kernels (default: c++, g++ or clang++)
     TRITON_INTERPRET   1: run the Triton kernels in Triton's interpreter (on a CPU)
+    VLLM_XGRAMMAR_CACHE_MB   vLLM's name: the most memory compiled grammars may hold in
+                       the grammar cache (default here 64; vLLM's is 512)
+    VLLM_MAX_N_SEQUENCES     vLLM's name: the largest ``n`` the server accepts (default
+                       here 64; vLLM's is 16384)
 
 Each is read when it is used, not at import, so a notebook or a test can set it first.
 """
@@ -35,3 +39,14 @@ def cxx() -> str | None:
 def triton_interpret() -> bool:
     """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def xgrammar_cache_bytes() -> int:
+    """``$VLLM_XGRAMMAR_CACHE_MB`` in bytes (default 64 MiB): bounds xgrammar's own cache
+    (in each compile worker) and the engine's cache of compiled grammars."""
+    return int(float(os.environ.get("VLLM_XGRAMMAR_CACHE_MB", "64")) * (1 << 20))
+
+
+def max_n_sequences() -> int:
+    """``$VLLM_MAX_N_SEQUENCES`` (default 64): the largest ``n`` a server request may ask for."""
+    return int(os.environ.get("VLLM_MAX_N_SEQUENCES", "64"))

@@ -52,6 +52,7 @@ from microvllm.models.gguf_loader import gguf_weights_file
 from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
 from microvllm.platforms import Platform, get_platform
+from microvllm.structured_output.limits import SpecLimits
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,17 @@ class EngineArgs:
     seed: int = field(default=0, metadata=_cli("seed of the shared sampling generator"))
     structured_outputs_backend: str = field(default="auto", metadata=_cli(
         "what compiles structured outputs: xgrammar, course (regex and choice), or auto"))
+    structured_outputs_compile_timeout: float = field(default=30.0, metadata=_cli(
+        "the server's limit, in seconds, on compiling one request's grammar (waiting for a compile "
+        "worker included); past it the request gets a 400"))
+    structured_outputs_compile_workers: int = field(default=1, metadata=_cli(
+        "the server's grammar-compile processes (a crash or a runaway compile there cannot stop the engine)"))
+    structured_outputs_max_spec_chars: int = field(default=262_144, metadata=_cli(
+        "longest structured-output spec (schema, regex, grammar or choice list as JSON) in characters"))
+    structured_outputs_max_choices: int = field(default=4_096, metadata=_cli(
+        "most entries in a structured-output choice list"))
+    structured_outputs_max_schema_depth: int = field(default=128, metadata=_cli(
+        "deepest nesting of a JSON schema, counting what each $ref leads to"))
     max_logprobs: int = field(default=20, metadata=_cli(
         "the most logprobs (or prompt_logprobs) a request may ask for; -1: up to the vocabulary"))
     max_model_len: int | None = field(default=None, metadata=_cli(
@@ -232,7 +244,13 @@ class EngineArgs:
             device_config=DeviceConfig(device=str(platform.device),
                                        attention_backend=platform.resolve_attention_backend(self.attention_backend),
                                        enforce_eager=self.enforce_eager),
-            structured_outputs_config=StructuredOutputsConfig(structured_outputs_backend=self.structured_outputs_backend),
+            structured_outputs_config=StructuredOutputsConfig(
+                structured_outputs_backend=self.structured_outputs_backend,
+                compile_timeout=self.structured_outputs_compile_timeout,
+                compile_workers=self.structured_outputs_compile_workers,
+                limits=SpecLimits(max_spec_chars=self.structured_outputs_max_spec_chars,
+                                  max_choices=self.structured_outputs_max_choices,
+                                  max_schema_depth=self.structured_outputs_max_schema_depth)),
             speculative_config=self._speculative_config(hf_config),
             profiler_config=self.profiler_config)
 
@@ -328,6 +346,12 @@ class EngineArgs:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int >= 0, or -1 for no limit")
+        for name in ("structured_outputs_compile_workers", "structured_outputs_max_spec_chars",
+                     "structured_outputs_max_choices", "structured_outputs_max_schema_depth"):
+            _positive_int(name, getattr(self, name))
+        timeout = self.structured_outputs_compile_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise ValueError(f"structured_outputs_compile_timeout={timeout!r} must be a number of seconds > 0")
         if self.structured_outputs_backend not in STRUCTURED_OUTPUT_BACKENDS:
             raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r}: choose one of "
                              f"{STRUCTURED_OUTPUT_BACKENDS}")

@@ -7,8 +7,11 @@ through one asyncio queue per request::
     asyncio event loop (server)                 engine-core thread (the only Engine user)
     ───────────────────────────                 ─────────────────────────────────────────
     generate(prompt, params, id)
-      engine.process_request on a worker thread: every check, the tokenizer, the grammar
-      compiler (slow work that would stall every stream if the engine thread did it)
+      a grammar (structured outputs): compiled in a compile worker process, within a
+      time limit, killed if the client goes away (structured_output/compile_workers.py)
+      engine.process_request on a tokenizer thread: every check, the tokenizer (slow
+      work that would stall every stream if the engine thread or the event loop did it;
+      tokenizer threads of their own, so that they never wait behind anything else)
       ── ("add", processed, future) ────────>   engine.add_processed_request
       <── future: accepted ───────────────────
       await queue.get()        <── RequestOutput (a snapshot) ──  engine.step() while unfinished
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -40,6 +44,7 @@ from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.engine.metrics import ServingMetrics
 from microvllm.engine.outputs import RequestOutput
 from microvllm.sampling_params import RequestOutputKind, SamplingParams
+from microvllm.structured_output.compile_workers import CompileCancelled, GrammarCompileWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +87,13 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self.dead_error: BaseException | None = None
+        # Tokenizing and detokenizing for the server, on threads nothing else uses.
+        self.tokenizer_threads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="microvllm-tokenize")
+        self._compile_workers: GrammarCompileWorkers | None = None   # started on first use
+        self._compile_workers_lock = threading.Lock()
+        # The engine-core loop's heartbeat: when it last finished a pass (a step or an idle
+        # wait). /health reports the engine stuck when this grows old.
+        self.last_heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run_engine_loop, name="microvllm-engine-core",
                                         daemon=True)
         self._thread.start()
@@ -127,8 +139,12 @@ class AsyncLLM:
         finished = False
         kind = sampling_params.output_kind if sampling_params is not None else RequestOutputKind.CUMULATIVE
         try:
-            # Every check, tokenizing and compiling a grammar: off the engine's thread.
-            processed = await asyncio.to_thread(self.engine.process_request, request_id, prompt, sampling_params)
+            grammars = None
+            if sampling_params is not None and sampling_params.structured_outputs is not None:
+                grammars = await self.compile_grammars(sampling_params)
+            # Every check and tokenizing: off the engine's thread and off the event loop.
+            processed = await self.run_on_tokenizer_thread(functools.partial(
+                self.engine.process_request, request_id, prompt, sampling_params, grammars=grammars))
             self._commands.put(("add", processed, accepted))
             await asyncio.wrap_future(accepted)
             while True:
@@ -151,12 +167,46 @@ class AsyncLLM:
                 self._commands.put(("abort", request_id, None))
 
     async def process_prompt(self, prompt, sampling_params: SamplingParams | None = None) -> dict:
-        """Tokenize ``prompt`` on a worker thread, not the engine's (a long prompt would
+        """Tokenize ``prompt`` on a tokenizer thread, not the engine's (a long prompt would
         stall every stream for as long as it takes): ``{"prompt", "prompt_token_ids"}``,
         which ``generate`` then takes as it is. Raises ``ValueError`` for a bad prompt."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        text, token_ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt, params)
+        text, token_ids = await self.run_on_tokenizer_thread(
+            functools.partial(self.engine.tokenize_prompt, prompt, params))
         return {"prompt": text, "prompt_token_ids": token_ids}
+
+    async def run_on_tokenizer_thread(self, work):
+        """``await`` ``work()`` run on one of the tokenizer threads (tokenize, detokenize,
+        render a chat): never on the event loop, never behind a grammar compile."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, work)
+
+    async def compile_grammars(self, params: SamplingParams) -> list:
+        """One matcher per sample for ``params.structured_outputs``: the limits and the
+        cache checked on a tokenizer thread, the compile itself in a worker process within
+        ``structured_outputs_compile_timeout``. ``ValueError`` for a spec that breaks a
+        limit, does not compile, crashes the compiler or takes too long; cancelling the
+        caller (the client went away) kills the compile."""
+        manager = self.engine.structured_output_manager
+        job, grammars = await self.run_on_tokenizer_thread(functools.partial(manager.prepare, params, params.n))
+        if grammars is None:
+            try:
+                blob = await self.compile_workers(manager.backend_for(params)).compile(job)
+            except ValueError as error:
+                raise ValueError(manager.name_the_field(str(error), params)) from None
+            except CompileCancelled:   # not by our caller (that is CancelledError): by shutdown()
+                raise EngineDeadError("the server is shutting down: the grammar was not compiled") from None
+            grammars = await self.run_on_tokenizer_thread(functools.partial(
+                manager.grammars_from, params, blob, params.n))
+        return grammars
+
+    def compile_workers(self, backend) -> GrammarCompileWorkers:
+        """The grammar-compile processes, started with the first structured request."""
+        with self._compile_workers_lock:
+            if self._compile_workers is None:
+                config = self.engine.config.structured_outputs_config
+                self._compile_workers = GrammarCompileWorkers(
+                    backend.spec_compiler(), num_workers=config.compile_workers, timeout=config.compile_timeout)
+            return self._compile_workers
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id (its generator then simply stops getting outputs)."""
@@ -168,8 +218,13 @@ class AsyncLLM:
         self._commands.put(("abort_all", None, None))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort everything in flight, stop the engine-core thread and wait for it."""
+        """Abort everything in flight, stop the engine-core thread and wait for it; kill
+        whatever grammar is compiling."""
         self._stopping.set()
+        with self._compile_workers_lock:
+            if self._compile_workers is not None:
+                self._compile_workers.shutdown()
+        self.tokenizer_threads.shutdown(wait=False, cancel_futures=True)
         self._commands.put(("wake", None, None))
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -182,6 +237,7 @@ class AsyncLLM:
         try:
             while not self._stopping.is_set():
                 # Idle: sleep until a command comes; busy: take what is queued, then step.
+                self.last_heartbeat = time.monotonic()
                 self._handle_commands(block=not self.engine.has_unfinished_requests())
                 if self._stopping.is_set():
                     break

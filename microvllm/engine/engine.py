@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from microvllm import envs
 from microvllm.config import EngineConfig
 from microvllm.config.components import check_components, component
 from microvllm.core.block_pool import BlockPool
@@ -108,7 +109,8 @@ class Engine:
         self.structured_output_manager = StructuredOutputManager(
             self.prompts.tokenizer, model_config.hf_config.vocab_size,
             config.structured_outputs_config.structured_outputs_backend,
-            token_trie=component(components, "token_trie", TokenTrie))   # the course backend's vocabulary trie
+            token_trie=component(components, "token_trie", TokenTrie),   # the course backend's vocabulary trie
+            limits=config.structured_outputs_config.limits, cache_bytes=envs.xgrammar_cache_bytes())
         self.output_processor = OutputProcessor(
             self.prompts.tokenizer, component(components, "detokenizer", IncrementalDetokenizer))
         self.tracer = StepTracer(self.scheduler, model_config.hf_config.vocab_size) if trace else None
@@ -147,9 +149,11 @@ class Engine:
         self.add_processed_request(self.process_request(request_id, prompt, params))
 
     def process_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                        *, name: str | None = None) -> ProcessedRequest:
+                        *, name: str | None = None, grammars: list | None = None) -> ProcessedRequest:
         """Every check a request must pass, and its tokens; changes nothing. ``name``: what
-        errors call it (``LLM.generate`` checks all its prompts first, as "prompts[2]")."""
+        errors call it (``LLM.generate`` checks all its prompts first, as "prompts[2]").
+        ``grammars``: its structured-output matchers, compiled already (a server compiles
+        them in worker processes); otherwise they are compiled here."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -167,9 +171,9 @@ class Engine:
             params = params.clone()   # the caller's object stays as it was
             params.bad_words_token_ids = self.prompts.bad_words_token_ids(params.bad_words)
         self._check_fits(name or request_id, token_ids)
-        grammars = None
         if params.structured_outputs is not None:
-            grammars = self.structured_output_manager.compile(params, params.n)
+            if grammars is None:
+                grammars = self.structured_output_manager.compile(params, params.n)
             self.structured_output_manager.check_can_start(params, grammars[0])   # all n are alike
         return ProcessedRequest(request_id, text, token_ids, params, grammars)
 

@@ -22,7 +22,9 @@ course's own backend (regex and choice); ``backend_xgrammar.py`` the production 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -32,6 +34,8 @@ from microvllm.structured_output.backend_types import (
     StructuredOutputOptions,
 )
 from microvllm.structured_output.bitmask import allocate_bitmask, allows_nothing
+from microvllm.structured_output.compile_workers import CompileJob
+from microvllm.structured_output.limits import SpecLimits, check_spec
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "xgrammar", "course")
@@ -40,50 +44,102 @@ BACKENDS = ("auto", "xgrammar", "course")
 class StructuredOutputManager:
     """One engine's backend and its requests' grammars (by the scheduler's request id)."""
 
-    def __init__(self, tokenizer, vocab_size: int, backend: str = "auto", token_trie: type | None = None):
+    def __init__(self, tokenizer, vocab_size: int, backend: str = "auto", token_trie: type | None = None,
+                 limits: SpecLimits | None = None, cache_bytes: int = 64 << 20):
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend={backend!r}: choose one of {BACKENDS}")
         self.tokenizer, self.vocab_size, self.backend_name = tokenizer, vocab_size, backend
         self.token_trie = token_trie   # the course backend's TokenTrie class (exercise 15: yours)
+        self.limits = limits or SpecLimits()
         self._backends: dict[str, StructuredOutputBackend] = {}
         self.grammars: dict[str, StructuredOutputGrammar] = {}
+        # Compiled grammars by spec, least recently used first, at most cache_bytes in all:
+        # requests with the same schema (a client's every call) compile it once.
+        self._compiled: OrderedDict[tuple, tuple[object, int]] = OrderedDict()
+        self.cache_bytes, self._cached_bytes = cache_bytes, 0
+        self._lock = threading.Lock()   # compiles run on several threads at once
         # What building the masks costs: seconds in grammar_bitmask, and how many steps.
         self.mask_seconds_total = 0.0
         self.num_mask_steps = 0
         self.last_mask_seconds = 0.0
 
+    def backend_for(self, params) -> StructuredOutputBackend:
+        return self._backend(StructuredOutputOptions(params.structured_outputs.kind))
+
     def _backend(self, kind: StructuredOutputOptions) -> StructuredOutputBackend:
         name = self.backend_name
         if name == "auto":   # xgrammar where installed (vLLM's default), else the course's
             name = "xgrammar" if _xgrammar_installed() else "course"
-        if name not in self._backends:
-            if self.tokenizer is None:
-                raise ValueError("structured outputs need a tokenizer, and this model folder has none")
-            if name == "xgrammar":
-                from microvllm.structured_output.backend_xgrammar import XgrammarBackend
-                self._backends[name] = XgrammarBackend(self.tokenizer, self.vocab_size)
-            else:
-                from microvllm.structured_output.backend_regex import RegexBackend, TokenTrie
+        with self._lock:
+            if name not in self._backends:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need a tokenizer, and this model folder has none")
+                if name == "xgrammar":
+                    from microvllm.structured_output.backend_xgrammar import XgrammarBackend
+                    self._backends[name] = XgrammarBackend(self.tokenizer, self.vocab_size, self.cache_bytes)
+                else:
+                    from microvllm.structured_output.backend_regex import RegexBackend, TokenTrie
 
-                self._backends[name] = RegexBackend(self.tokenizer, self.vocab_size, self.token_trie or TokenTrie)
-        return self._backends[name]
+                    self._backends[name] = RegexBackend(self.tokenizer, self.vocab_size, self.token_trie or TokenTrie)
+            return self._backends[name]
 
     def compile(self, params, n: int) -> list[StructuredOutputGrammar]:
-        """One grammar per sample for ``params.structured_outputs``; ``ValueError`` (naming
-        the field) for a spec that does not compile. Slow for big schemas: call it off
-        the engine thread."""
+        """One grammar per sample for ``params.structured_outputs``, compiled here, in this
+        thread; ``ValueError`` (naming the field) for a spec that breaks a limit or does not
+        compile. Slow for big schemas: call it off the engine thread. (A server compiles
+        in worker processes instead: ``prepare``, then ``grammars_from``.)"""
+        job, grammars = self.prepare(params, n)
+        if grammars is not None:
+            return grammars
+        backend = self.backend_for(params)
+        try:
+            compiled = backend.spec_compiler().compile(job.kind, job.spec, job.any_whitespace)
+        except ValueError as error:
+            raise ValueError(_name_the_field(str(error), params)) from None
+        return self._grammars(params, self._remember(params, compiled, backend), n)
+
+    def prepare(self, params, n: int) -> tuple[CompileJob, list[StructuredOutputGrammar] | None]:
+        """The cheap part of compiling: the limits (``ValueError``), then the cache. Returns
+        the job to compile, and the grammars already if the spec was compiled before."""
+        structured = params.structured_outputs
+        kind = StructuredOutputOptions(structured.kind)
+        check_spec(structured.kind, structured.spec, self.limits)
+        backend = self._backend(kind)
+        job = CompileJob(kind, structured.spec, not structured.disable_any_whitespace)
+        with self._lock:
+            hit = self._compiled.get(_key(backend, job))
+            if hit is not None:
+                self._compiled.move_to_end(_key(backend, job))
+        return job, (self._grammars(params, hit[0], n) if hit is not None else None)
+
+    def name_the_field(self, message: str, params) -> str:
+        return _name_the_field(message, params)
+
+    def grammars_from(self, params, blob, n: int) -> list[StructuredOutputGrammar]:
+        """The grammars for what a compile worker sent back (``SpecCompiler.dump``)."""
+        backend = self.backend_for(params)
+        return self._grammars(params, self._remember(params, backend.load(blob), backend), n)
+
+    def _remember(self, params, compiled, backend: StructuredOutputBackend):
+        structured = params.structured_outputs
+        key = _key(backend, CompileJob(StructuredOutputOptions(structured.kind), structured.spec,
+                                       not structured.disable_any_whitespace))
+        size = backend.compiled_size(compiled)
+        with self._lock:
+            if key not in self._compiled and size <= self.cache_bytes:
+                self._compiled[key] = (compiled, size)
+                self._cached_bytes += size
+                while self._cached_bytes > self.cache_bytes:
+                    _, (_, dropped) = self._compiled.popitem(last=False)
+                    self._cached_bytes -= dropped
+        return compiled
+
+    def _grammars(self, params, compiled, n: int) -> list[StructuredOutputGrammar]:
         structured = params.structured_outputs
         kind = StructuredOutputOptions(structured.kind)
         backend = self._backend(kind)
-        try:
-            return [backend.compile_grammar(kind, structured.spec,
-                                            any_whitespace=not structured.disable_any_whitespace)
-                    for _ in range(n)]
-        except ValueError as error:
-            message = str(error)
-            if not message.startswith("structured_outputs"):
-                message = f"structured_outputs.{structured.kind} cannot be compiled: {message}"
-            raise ValueError(message) from None
+        with self._lock:
+            return [backend.new_grammar(kind, compiled, not structured.disable_any_whitespace) for _ in range(n)]
 
     def check_can_start(self, params, grammar: StructuredOutputGrammar) -> None:
         """``ValueError`` if ``grammar`` (just compiled for ``params``) allows no first token,
@@ -124,6 +180,17 @@ class StructuredOutputManager:
 
     def is_terminated(self, request_id: str) -> bool:
         return self.grammars[request_id].is_terminated()
+
+
+def _key(backend: StructuredOutputBackend, job: CompileJob) -> tuple:
+    return backend.name, job.kind, job.spec, job.any_whitespace
+
+
+def _name_the_field(message: str, params) -> str:
+    """Compile errors start with the field they are about (a 400's ``param``)."""
+    if message.startswith("structured_outputs"):
+        return message
+    return f"structured_outputs.{params.structured_outputs.kind} cannot be compiled: {message}"
 
 
 def _xgrammar_installed() -> bool:

@@ -31,9 +31,12 @@ Special tokens are never allowed while a grammar runs.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from microvllm.structured_output.backend_types import (
+    SpecCompiler,
     StructuredOutputBackend,
     StructuredOutputGrammar,
     StructuredOutputOptions,
@@ -170,21 +173,37 @@ class RegexBackend(StructuredOutputBackend):
 
     name = "course"
 
-    def __init__(self, tokenizer, vocab_size: int, trie_class: type = TokenTrie):
+    def __init__(self, tokenizer, vocab_size: int, trie_class: type = TokenTrie, max_patterns: int = 32):
         self.vocabulary = TokenVocabulary(tokenizer, vocab_size, trie_class)   # trie_class: exercise 15's
-        self._compiled: dict[str, tuple[RegexDFA, dict]] = {}
+        # pattern -> (its DFA, its states' masks), shared by every request with that pattern
+        # (a mask is only valid for the DFA whose state numbers it is keyed by); the least
+        # recently used pattern is dropped beyond max_patterns.
+        self._compiled: OrderedDict[str, tuple[RegexDFA, dict[int, torch.Tensor]]] = OrderedDict()
+        self.max_patterns = max_patterns
 
-    def compile_grammar(self, kind: StructuredOutputOptions, spec: str, *,
-                        any_whitespace: bool = True) -> RegexGrammar:
+    def spec_compiler(self) -> CourseSpecCompiler:
+        return CourseSpecCompiler()
+
+    def new_grammar(self, kind: StructuredOutputOptions, compiled, any_whitespace: bool) -> RegexGrammar:
+        pattern, dfa = compiled
+        dfa, masks = self._compiled.pop(pattern, None) or (dfa, {})
+        self._compiled[pattern] = (dfa, masks)
+        while len(self._compiled) > self.max_patterns:
+            self._compiled.popitem(last=False)
+        return RegexGrammar(dfa, self.vocabulary, masks)
+
+
+class CourseSpecCompiler(SpecCompiler):
+    """A regex (or a choice list, as a regex) -> ``(pattern, its DFA)``. Plain Python
+    objects, so a worker process can build the DFA and pickle it back."""
+
+    def compile(self, kind: StructuredOutputOptions, spec: str, any_whitespace: bool) -> tuple[str, RegexDFA]:
         if kind == StructuredOutputOptions.CHOICE:
             spec = choice_regex(spec)
         elif kind != StructuredOutputOptions.REGEX:
             raise ValueError(f"the course backend compiles regex and choice only, not {kind.value}: "
                              "use the xgrammar backend for JSON schemas, JSON objects and grammars")
-        if spec not in self._compiled:   # the same pattern shares its DFA and masks
-            self._compiled[spec] = (RegexDFA(spec), {})
-        dfa, masks = self._compiled[spec]
-        return RegexGrammar(dfa, self.vocabulary, masks)
+        return spec, RegexDFA(spec)
 
 
 def choice_regex(choices) -> str:

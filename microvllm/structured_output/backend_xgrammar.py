@@ -9,6 +9,7 @@ import json
 import torch
 
 from microvllm.structured_output.backend_types import (
+    SpecCompiler,
     StructuredOutputBackend,
     StructuredOutputGrammar,
     StructuredOutputOptions,
@@ -46,10 +47,63 @@ class XgrammarGrammar(StructuredOutputGrammar):
         self.num_accepted = 0
 
 
+class XgrammarSpecCompiler(SpecCompiler):
+    """xgrammar's ``GrammarCompiler`` over one vocabulary. Pickled as the vocabulary's
+    JSON (``TokenizerInfo.serialize_json``, ~1.6 MB for SmolLM2's 49,152 ids); the
+    compiler itself is built on first use in whichever process compiles.
+    ``cache_limit_bytes`` bounds xgrammar's cache of compiled grammars (unbounded by
+    default: 30 distinct small regexes held 54 MB)."""
+
+    def __init__(self, tokenizer_info_json: str, cache_limit_bytes: int):
+        self.tokenizer_info_json, self.cache_limit_bytes = tokenizer_info_json, cache_limit_bytes
+        self._compiler = None
+
+    def __getstate__(self):
+        return {"tokenizer_info_json": self.tokenizer_info_json, "cache_limit_bytes": self.cache_limit_bytes,
+                "_compiler": None}
+
+    def compiler(self):
+        if self._compiler is None:
+            import xgrammar
+
+            info = xgrammar.TokenizerInfo.deserialize_json(self.tokenizer_info_json)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_limit_bytes)
+        return self._compiler
+
+    def compile(self, kind: StructuredOutputOptions, spec: str, any_whitespace: bool):
+        from microvllm.structured_output import clean_compiler_message
+
+        compiler = self.compiler()
+        try:
+            if kind == StructuredOutputOptions.JSON:
+                return compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
+            if kind == StructuredOutputOptions.JSON_OBJECT:   # an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            if kind == StructuredOutputOptions.REGEX:
+                return compiler.compile_regex(spec)
+            if kind == StructuredOutputOptions.GRAMMAR:
+                return compiler.compile_grammar(spec)
+            return compiler.compile_grammar(choice_grammar(json.loads(spec) if isinstance(spec, str) else spec))
+        except RuntimeError as error:   # xgrammar reports a bad spec as RuntimeError
+            raise ValueError(f"structured_outputs.{kind.value} cannot be compiled: "
+                             f"{clean_compiler_message(str(error))}") from None
+
+    def dump(self, compiled) -> str:
+        return compiled.serialize_json()
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """``["yes", "no"]`` -> ``root ::= "yes" | "no"``: an EBNF alternation, one string
+    literal each, built in one pass. Characters outside ASCII stay themselves
+    (``ensure_ascii=False``): JSON would escape "😀" as the surrogate pair
+    ``\\ud83d\\ude00``, which xgrammar reads as two lone code points (U+FFFD twice)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
 class XgrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, cache_limit_bytes: int = 64 << 20):
         try:
             import xgrammar
         except ImportError:
@@ -58,10 +112,25 @@ class XgrammarBackend(StructuredOutputBackend):
         self.xgr = xgrammar
         hf = getattr(tokenizer, "hf_tokenizer", tokenizer)
         stop = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
-        info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop)
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop)
+        self._spec_compiler = XgrammarSpecCompiler(self.tokenizer_info.serialize_json(), cache_limit_bytes)
         self.tokenizer, self.vocab_size = hf, vocab_size
         self._json_safe: dict[bool, torch.Tensor] = {}
+
+    def spec_compiler(self) -> XgrammarSpecCompiler:
+        return self._spec_compiler
+
+    def load(self, blob):
+        return blob if isinstance(blob, self.xgr.CompiledGrammar) else \
+            self.xgr.CompiledGrammar.deserialize_json(blob, self.tokenizer_info)
+
+    def compiled_size(self, compiled) -> int:
+        return int(compiled.memory_size_bytes)
+
+    def new_grammar(self, kind: StructuredOutputOptions, compiled, any_whitespace: bool) -> XgrammarGrammar:
+        is_json = kind in (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
+        return XgrammarGrammar(self.xgr.GrammarMatcher(compiled),
+                               self.json_safe(any_whitespace) if is_json else None)
 
     def json_safe(self, any_whitespace: bool) -> torch.Tensor:
         """Packed words of the ids whose text holds no raw control character. JSON allows
@@ -79,24 +148,3 @@ class XgrammarBackend(StructuredOutputBackend):
                     safe[token_id] = False
             self._json_safe[any_whitespace] = pack(safe)
         return self._json_safe[any_whitespace]
-
-    def compile_grammar(self, kind: StructuredOutputOptions, spec: str, *,
-                        any_whitespace: bool = True) -> XgrammarGrammar:
-        try:
-            if kind == StructuredOutputOptions.JSON:
-                compiled = self.compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
-            elif kind == StructuredOutputOptions.JSON_OBJECT:   # an object, not any JSON value
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
-            elif kind == StructuredOutputOptions.REGEX:
-                compiled = self.compiler.compile_regex(spec)
-            elif kind == StructuredOutputOptions.GRAMMAR:
-                compiled = self.compiler.compile_grammar(spec)
-            else:   # CHOICE: an EBNF alternation of JSON-quoted strings
-                choices = json.loads(spec) if isinstance(spec, str) else spec
-                compiled = self.compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(choice) for choice in choices))
-        except RuntimeError as error:   # xgrammar reports a bad spec as RuntimeError
-            raise ValueError(f"structured_outputs.{kind.value} cannot be compiled: {error}") from None
-        is_json = kind in (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
-        return XgrammarGrammar(self.xgr.GrammarMatcher(compiled),
-                               self.json_safe(any_whitespace) if is_json else None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.metadata
 import logging
 import os
@@ -36,6 +37,7 @@ import re
 import signal
 import socket
 import threading
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -57,6 +59,7 @@ from microvllm.entrypoints.openai.serving import OpenAIServing, ServerShuttingDo
 
 logger = logging.getLogger(__name__)
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HEALTH_STUCK_SECONDS = 60.0   # one engine step longer than this: /health says 503
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -236,9 +239,15 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
 
     @app.get("/health")
     async def health():
+        """200 only while a request sent now would be served: the engine-core thread is
+        alive and has not been stuck in one pass for ``HEALTH_STUCK_SECONDS``."""
         if not engine.is_running:
             reason = f": {engine.dead_error!r}" if engine.dead_error is not None else ""
             return PlainTextResponse(f"engine not running{reason}", status_code=503)
+        stuck = time.monotonic() - engine.last_heartbeat
+        if stuck > HEALTH_STUCK_SECONDS:
+            return PlainTextResponse(f"engine stuck: its loop has not come round for {stuck:.0f} s",
+                                     status_code=503)
         return PlainTextResponse("")
 
     @app.api_route("/ping", methods=["GET", "POST"])
@@ -278,12 +287,15 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
             if request.messages is not None:
                 chat = ChatCompletionRequest(messages=request.messages,
                                              add_generation_prompt=request.add_generation_prompt)
-                token_ids = (await asyncio.to_thread(serving.render_chat, chat))["prompt_token_ids"]
+                token_ids = (await engine.run_on_tokenizer_thread(
+                    functools.partial(serving.render_chat, chat)))["prompt_token_ids"]
             else:
                 tokenizer = engine.tokenizer
                 if tokenizer is None:
                     raise ValueError("this model has no tokenizer")
-                token_ids = await asyncio.to_thread(tokenizer.encode, request.prompt, request.add_special_tokens)
+                serving.check_text_fits(len(request.prompt), "prompt")
+                token_ids = await engine.run_on_tokenizer_thread(
+                    functools.partial(tokenizer.encode, request.prompt, request.add_special_tokens))
         except (ValueError, TypeError) as error:
             return bad_request(error, TokenizeRequest.model_fields)
         return {"count": len(token_ids), "max_model_len": serving.max_model_len, "tokens": token_ids}
@@ -299,7 +311,10 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
                                   param="tokens")
         if engine.tokenizer is None:
             return error_response(400, "this model has no tokenizer")
-        return {"prompt": engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+        # 2M ids take over a second to decode: never on the event loop, where every stream waits.
+        text = await engine.run_on_tokenizer_thread(
+            functools.partial(engine.tokenizer.decode, request.tokens, skip_special_tokens=False))
+        return {"prompt": text}
 
     @app.get("/metrics")
     async def metrics():

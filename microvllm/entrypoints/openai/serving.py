@@ -22,6 +22,7 @@ and ``data: [DONE]``; one the server aborts (shutting down) with ``finish_reason
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator
 
 import jinja2
 
+from microvllm import envs
 from microvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from microvllm.engine.outputs import CompletionOutput, RequestOutput
 from microvllm.entrypoints.openai.chat_utils import parse_chat_messages
@@ -105,6 +107,27 @@ class OpenAIServing:
         return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else ""
 
     # ---------------------------------------------------------- prompts
+    def check_request_size(self, params: SamplingParams, num_prompts: int = 1) -> None:
+        """Work one request may ask for, checked before any of it is done: ``n`` at most
+        ``$VLLM_MAX_N_SEQUENCES`` (vLLM's name; default 64 here)."""
+        max_n = envs.max_n_sequences()
+        if params.n > max_n:
+            raise ValueError(f"n={params.n} is more than this server allows ({max_n}, set by "
+                             "$VLLM_MAX_N_SEQUENCES): ask for fewer samples per request")
+
+    def check_text_fits(self, num_chars: int, field: str) -> None:
+        """Refuse text that cannot fit ``max_model_len`` before tokenizing it (8 MB takes
+        seconds and gigabytes): it needs at least ``num_chars`` / (the longest token's
+        characters) tokens. The completions route does the same in the engine."""
+        prompts = self.engine.engine.prompts
+        if prompts.tokenizer is None:
+            return
+        min_tokens = num_chars // prompts.max_token_chars
+        if min_tokens >= self.max_model_len:
+            raise ValueError(f"{field}: the text has {num_chars:,} characters, so at least {min_tokens:,} tokens, "
+                             f"but this model's maximum context length (max_model_len) is {self.max_model_len}: "
+                             "shorten it")
+
     async def _prepare(self, prompt, params: SamplingParams, max_tokens: int | None, where: str) -> dict:
         """Tokenize off the engine thread, then check the request fits the context."""
         processed = await self.engine.process_prompt(prompt, params)
@@ -129,6 +152,7 @@ class OpenAIServing:
         prompts = request.prompts()
         if not prompts:
             raise ValueError("prompt must not be empty")
+        self.check_request_size(params, len(prompts))
         scoring_only = request.max_tokens == 0
         prepared = [await self._prepare(p, params, None if scoring_only else request.max_tokens, "prompt")
                     for p in prompts]
@@ -198,7 +222,9 @@ class OpenAIServing:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so chat messages cannot be rendered")
-        messages = parse_chat_messages([m.model_dump(exclude_none=True) for m in request.messages])
+        dumped = [m.model_dump(exclude_none=True) for m in request.messages]
+        self.check_text_fits(sum(_text_chars(m.get("content")) for m in dumped), "messages")
+        messages = parse_chat_messages(dumped)
         chat_template = request.chat_template or self.chat_template
         template_kwargs = dict(request.chat_template_kwargs or {})
         if request.tools and request.tool_choice != "none":
@@ -218,7 +244,8 @@ class OpenAIServing:
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         params = request.to_sampling_params()
-        prompt = await asyncio.to_thread(self.render_chat, request)
+        self.check_request_size(params)
+        prompt = await self.engine.run_on_tokenizer_thread(functools.partial(self.render_chat, request))
         prompt = await self._prepare(prompt, params, request.requested_max_tokens, "messages")
         request_id = random_id("chatcmpl")
         results = merge([self.engine.generate(prompt, params, request_id)])
@@ -280,6 +307,16 @@ class OpenAIServing:
 
 
 # ------------------------------------------------------------------ helpers
+def _text_chars(content) -> int:
+    """Characters of text in a message's content: a string, or a list of parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(_text_chars(part.get("text")) if isinstance(part, dict) else _text_chars(part)
+                   for part in content)
+    return 0
+
+
 class StreamProgress:
     """What each choice of a stream has sent, so that every token goes out once and every
     choice ends once. Each ``RequestOutput`` of an n > 1 request carries all n choices,
