@@ -6,6 +6,7 @@
     microvllm bench gpu                     the engine on a CUDA GPU: correctness and speed
     microvllm serve [MODEL] --port 8000 [engine flags]     OpenAI-compatible server
     microvllm bench serve --port 8000 --request-rate 4      load test a running server
+    microvllm bench hostile                 what hostile requests cost a server's other clients
     microvllm --version
 
 ``microvllm course build|check`` (regenerate and check the exercises) is reachable
@@ -49,12 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen.add_argument_group("engine arguments"))
 
     bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench serve | bench structured | "
-                                         "bench attention | bench gpu")
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{throughput,serve,structured,attention,gpu}")
+                                         "bench hostile | bench attention | bench gpu")
+    which = bench.add_subparsers(dest="bench", required=True,
+                                 metavar="{throughput,serve,structured,hostile,attention,gpu}")
     # Listed here for the help; main() hands the line to their own parsers.
     for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
                        ("serve", "load a running server: Poisson arrivals, TTFT / TPOT / ITL"),
                        ("structured", "tokens/s with and without a JSON schema, and the grammar mask's cost"),
+                       ("hostile", "a server under hostile requests: the other clients' token gaps, memory"),
                        ("attention", "attention kernels (needs a CUDA GPU)"),
                        ("gpu", "the engine on a CUDA GPU: tokens vs the CPU, kernels, speed")):
         one = which.add_parser(name, help=text, add_help=False)
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         from microvllm.course.build import main as course_main
         return course_main(argv[1:])
     parser = build_parser()
-    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["attention"], ["gpu"]):
+    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["hostile"], ["attention"],
+                                                 ["gpu"]):
         if argv[1] == "throughput" and "quantization" in argv[2:]:   # --workload quantization
             from microvllm.bench.quantized import main as bench_main
         elif argv[1] == "throughput":
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             from microvllm.bench.gpu import main as bench_main
         elif argv[1] == "structured":
             from microvllm.bench.structured import main as bench_main
+        elif argv[1] == "hostile":
+            from microvllm.bench.hostile import main as bench_main
         else:
             from microvllm.bench.attention import main as bench_main
         return _without_traceback(parser, bench_main, argv[2:])

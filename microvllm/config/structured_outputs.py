@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from microvllm.structured_output.limits import SpecLimits
+from dataclasses import dataclass
 
 BACKENDS = ("auto", "xgrammar", "course")
 
@@ -19,8 +17,24 @@ class StructuredOutputsConfig:
 
     structured_outputs_backend: str = "auto"
     # The server's (AsyncLLM's) grammar compiles: in this many worker processes, each
-    # within compile_timeout seconds. LLM compiles in its own thread, with no limit of time.
-    compile_timeout: float = 30.0
-    compile_workers: int = 1
+    # within this many seconds. LLM compiles in its own thread, with no limit of time.
+    structured_outputs_compile_timeout: float = 30.0
+    structured_outputs_compile_workers: int = 1
     # Every spec is measured against these before it compiles (structured_output/limits.py).
-    limits: SpecLimits = field(default_factory=SpecLimits)
+    structured_outputs_max_spec_chars: int = 262_144
+    structured_outputs_max_choices: int = 4_096
+    structured_outputs_max_schema_depth: int = 128
+
+    @property
+    def limits(self) -> SpecLimits:
+        return SpecLimits(self.structured_outputs_max_spec_chars, self.structured_outputs_max_choices,
+                          self.structured_outputs_max_schema_depth)
+
+
+@dataclass(frozen=True)
+class SpecLimits:
+    """What a structured-output spec may be, checked before it compiles."""
+
+    max_spec_chars: int = 262_144
+    max_choices: int = 4_096
+    max_schema_depth: int = 128

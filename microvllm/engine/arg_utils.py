@@ -52,7 +52,6 @@ from microvllm.models.gguf_loader import gguf_weights_file
 from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
 from microvllm.platforms import Platform, get_platform
-from microvllm.structured_output.limits import SpecLimits
 
 logger = logging.getLogger(__name__)
 
@@ -244,13 +243,8 @@ class EngineArgs:
             device_config=DeviceConfig(device=str(platform.device),
                                        attention_backend=platform.resolve_attention_backend(self.attention_backend),
                                        enforce_eager=self.enforce_eager),
-            structured_outputs_config=StructuredOutputsConfig(
-                structured_outputs_backend=self.structured_outputs_backend,
-                compile_timeout=self.structured_outputs_compile_timeout,
-                compile_workers=self.structured_outputs_compile_workers,
-                limits=SpecLimits(max_spec_chars=self.structured_outputs_max_spec_chars,
-                                  max_choices=self.structured_outputs_max_choices,
-                                  max_schema_depth=self.structured_outputs_max_schema_depth)),
+            structured_outputs_config=StructuredOutputsConfig(**{
+                f.name: getattr(self, f.name) for f in dataclasses.fields(StructuredOutputsConfig)}),
             speculative_config=self._speculative_config(hf_config),
             profiler_config=self.profiler_config)
 

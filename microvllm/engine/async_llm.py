@@ -205,7 +205,8 @@ class AsyncLLM:
             if self._compile_workers is None:
                 config = self.engine.config.structured_outputs_config
                 self._compile_workers = GrammarCompileWorkers(
-                    backend.spec_compiler(), num_workers=config.compile_workers, timeout=config.compile_timeout)
+                    backend.spec_compiler(), num_workers=config.structured_outputs_compile_workers,
+                    timeout=config.structured_outputs_compile_timeout)
             return self._compile_workers
 
     async def abort(self, request_id: str) -> None:

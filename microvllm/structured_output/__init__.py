@@ -2,8 +2,13 @@
 a grammar or a list of choices (vLLM: ``v1/structured_output/``).
 
     SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
-        at the door (Engine.process_request; the server runs it off the engine thread):
-            manager.compile(params) -> one grammar (matcher) per sample
+        at the door (Engine.process_request, off the engine thread):
+            the spec's size and depth checked first (limits.py: ValueError, a 400)
+            LLM:    manager.compile(params) -> one grammar (matcher) per sample, here
+            server: manager.prepare -> compiled in a worker process (compile_workers.py:
+                    a crash, a timeout, a client gone cannot touch the engine)
+                    -> manager.grammars_from(what it sent back)
+            compiled grammars are cached by spec, least recently used out past a budget
             manager.check_can_start: a first mask that allows nothing -> ValueError (400)
         each step (Engine.step):
             plan = scheduler.schedule()
@@ -16,7 +21,8 @@ a grammar or a list of choices (vLLM: ``v1/structured_output/``).
 
 Files: ``backend_types.py`` the interface; ``backend_regex.py`` + ``regex_dfa.py`` the
 course's own backend (regex and choice); ``backend_xgrammar.py`` the production one
-(everything, what vLLM uses); ``bitmask.py`` the mask both fill.
+(everything, what vLLM uses); ``bitmask.py`` the mask both fill; ``limits.py`` and
+``compile_workers.py`` what a server needs so that no spec can crash or stall it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections import OrderedDict
 
 import torch
 
+from microvllm.config.structured_outputs import SpecLimits
 from microvllm.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
@@ -35,7 +42,8 @@ from microvllm.structured_output.backend_types import (
 )
 from microvllm.structured_output.bitmask import allocate_bitmask, allows_nothing
 from microvllm.structured_output.compile_workers import CompileJob
-from microvllm.structured_output.limits import SpecLimits, check_spec
+from microvllm.structured_output.errors import clean_compiler_message  # noqa: F401 - part of the API
+from microvllm.structured_output.limits import check_spec
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "xgrammar", "course")
@@ -197,24 +205,3 @@ def _xgrammar_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("xgrammar") is not None
-
-
-def clean_compiler_message(text: str) -> str:
-    """A grammar compiler's error as a client should read it: xgrammar's C++ log prefix
-    (a timestamp and the source file and line) and any stack trace dropped, the message kept.
-
-        "[16:11:12] /project/cpp/grammar_parser.cc:820: EBNF parser error at line 1, column 2008: ..."
-        -> "EBNF parser error at line 1, column 2008: ..."
-    """
-    import re
-
-    lines = []
-    for line in str(text).splitlines():
-        if re.match(r"\s*(Stack trace|\[bt\])", line):
-            break
-        line = re.sub(r"^\s*\[\d{1,2}:\d{2}:\d{2}(?:\.\d+)?\]\s*", "", line)
-        line = re.sub(r"(?:[A-Za-z]:)?(?:[\w.\-]*[/\\])*[\w.\-]+\.(?:cc|cpp|cxx|c|h|hpp|cu|cuh)(?::\d+)+:?\s*",
-                      "", line)
-        if line.strip():
-            lines.append(line.strip())
-    return "\n".join(lines)

@@ -71,7 +71,7 @@ class XgrammarSpecCompiler(SpecCompiler):
         return self._compiler
 
     def compile(self, kind: StructuredOutputOptions, spec: str, any_whitespace: bool):
-        from microvllm.structured_output import clean_compiler_message
+        from microvllm.structured_output.errors import clean_compiler_message
 
         compiler = self.compiler()
         try:

@@ -22,14 +22,8 @@ catch what no limit foresaw.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class SpecLimits:
-    max_spec_chars: int = 262_144
-    max_choices: int = 4_096
-    max_schema_depth: int = 128
+from microvllm.config.structured_outputs import SpecLimits
 
 
 def check_spec(kind: str, spec, limits: SpecLimits) -> None:

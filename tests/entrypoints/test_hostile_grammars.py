@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,6 +178,26 @@ def test_tokenizing_and_chat_never_wait_behind_compiles(server):
         for thread in attacks:
             thread.join(60)
     assert [r.status_code for r in results] == [400, 400]   # both past the time limit
+
+
+@pytest.mark.slow
+def test_after_the_attacks_the_server_is_as_new(server, folder):
+    """/health 200, the greedy text of a fresh engine, and no KV block held when idle."""
+    from microvllm import LLM, SamplingParams
+
+    assert server.healthy()
+    got = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": "the block pool", "max_tokens": 12, "temperature": 0, "ignore_eos": True}).json()
+    fresh = LLM(str(folder), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+    want = fresh.generate("the block pool", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].text
+    assert got["choices"][0]["text"] == want
+
+    def idle_usage():
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return float(re.search(r"^microvllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M).group(1)) == 0
+
+    wait_for(idle_usage, 10, "KV usage 0 when idle")
 
 
 @pytest.mark.slow
