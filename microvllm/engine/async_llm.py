@@ -193,8 +193,9 @@ class AsyncLLM:
                 blob = await self.compile_workers(manager.backend_for(params)).compile(job)
             except ValueError as error:
                 raise ValueError(manager.name_the_field(str(error), params)) from None
-            except CompileCancelled:   # not by our caller (that is CancelledError): by shutdown()
-                raise EngineDeadError("the server is shutting down: the grammar was not compiled") from None
+            except CompileCancelled:   # not by our caller (that is CancelledError): by abort_all or shutdown
+                raise EngineDeadError("the request was aborted before its grammar compiled (the server is "
+                                      "shutting down)") from None
             grammars = await self.run_on_tokenizer_thread(functools.partial(
                 manager.grammars_from, params, blob, params.n))
         return grammars
@@ -215,7 +216,11 @@ class AsyncLLM:
 
     def abort_all(self) -> None:
         """Abort every request in flight; each stream gets a last output with
-        ``finish_reason="abort"`` (a server shutting down ends its streams this way)."""
+        ``finish_reason="abort"`` (a server shutting down ends its streams this way).
+        A request whose grammar is still compiling has its compile stopped."""
+        with self._compile_workers_lock:
+            if self._compile_workers is not None:
+                self._compile_workers.cancel_all()
         self._commands.put(("abort_all", None, None))
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -142,6 +142,7 @@ class GrammarCompileWorkers:
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._in_flight: set[threading.Event] = set()   # each running compile's cancel flag
         for _ in range(num_workers):
             self._add_worker()
         # One thread per worker waits on its pipe; jobs beyond that queue here.
@@ -193,6 +194,23 @@ class GrammarCompileWorkers:
         submitted = time.monotonic() if submitted is None else submitted
         deadline = submitted + self.timeout
         cancelled = cancelled or threading.Event()
+        with self._lock:
+            self._in_flight.add(cancelled)
+        try:
+            return self._compile(job, cancelled, submitted, deadline)
+        finally:
+            with self._lock:
+                self._in_flight.discard(cancelled)
+
+    def cancel_all(self) -> None:
+        """Stop every compile running or waiting now (``CompileCancelled`` for each); the
+        workers are replaced and the pool goes on."""
+        with self._lock:
+            flags = list(self._in_flight)
+        for flag in flags:
+            flag.set()
+
+    def _compile(self, job: CompileJob, cancelled: threading.Event, submitted: float, deadline: float):
         what = f"structured_outputs.{getattr(job.kind, 'value', job.kind)}"
         worker = self._take_idle(deadline, cancelled, what)
         started = time.monotonic()

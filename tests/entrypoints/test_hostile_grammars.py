@@ -212,7 +212,9 @@ def test_sigterm_exits_within_the_shutdown_timeout_during_a_compile(server):
     server.process.send_signal(signal.SIGTERM)
     server.process.wait(30)
     took = time.monotonic() - started
-    assert took < 1 + 5, f"SIGTERM took {took:.1f} s with a compile running"   # --shutdown-timeout 1
+    # --shutdown-timeout 1: the compile is stopped then, not at its time limit (~3 s later)
+    # nor at uvicorn's own deadline (--shutdown-timeout + 5).
+    assert took < 1 + 1.5, f"SIGTERM took {took:.1f} s with a compile running"
     assert server.process.returncode == 0
     for pid in workers:   # the compile workers went with it
         wait_for(lambda: subprocess.run(["ps", "-p", str(pid)], capture_output=True).returncode != 0,
