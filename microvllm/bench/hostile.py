@@ -71,10 +71,7 @@ class Server:
                 pass
             return 0.0
 
-        out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(self.process.pid)],
-                             capture_output=True, text=True).stdout
-        workers = [int(line.split()[0]) for line in out.splitlines() if "compile_workers" in line]
-        return rss(self.process.pid), sum(rss(pid) for pid in workers)
+        return rss(self.process.pid), sum(rss(pid) for pid in compile_worker_pids(self.process.pid))
 
     def kv_usage(self) -> float:
         import httpx
@@ -88,6 +85,14 @@ class Server:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(30)
         self.log.close()
+
+
+def compile_worker_pids(server_pid: int) -> set[int]:
+    """The pids of a server's grammar-compile processes (its children running
+    ``compile_workers``; ``-ww``: never cut the command line at the terminal's width)."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server_pid)],
+                         capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines() if "compile_workers" in line}
 
 
 class Stream:

@@ -24,17 +24,3 @@ class StructuredOutputsConfig:
     structured_outputs_max_spec_chars: int = 262_144
     structured_outputs_max_choices: int = 4_096
     structured_outputs_max_schema_depth: int = 128
-
-    @property
-    def limits(self) -> SpecLimits:
-        return SpecLimits(self.structured_outputs_max_spec_chars, self.structured_outputs_max_choices,
-                          self.structured_outputs_max_schema_depth)
-
-
-@dataclass(frozen=True)
-class SpecLimits:
-    """What a structured-output spec may be, checked before it compiles."""
-
-    max_spec_chars: int = 262_144
-    max_choices: int = 4_096
-    max_schema_depth: int = 128

@@ -190,14 +190,12 @@ class AsyncLLM:
         job, grammars = await self.run_on_tokenizer_thread(functools.partial(manager.prepare, params, params.n))
         if grammars is None:
             try:
-                blob = await self.compile_workers(manager.backend_for(params)).compile(job)
-            except ValueError as error:
-                raise ValueError(manager.name_the_field(str(error), params)) from None
+                blob = await self.compile_workers(manager.backend(job.kind)).compile(job)
             except CompileCancelled:   # not by our caller (that is CancelledError): by abort_all or shutdown
                 raise EngineDeadError("the request was aborted before its grammar compiled (the server is "
                                       "shutting down)") from None
             grammars = await self.run_on_tokenizer_thread(functools.partial(
-                manager.grammars_from, params, blob, params.n))
+                manager.grammars_from, job, blob, params.n))
         return grammars
 
     def compile_workers(self, backend) -> GrammarCompileWorkers:

@@ -110,7 +110,7 @@ class Engine:
             self.prompts.tokenizer, model_config.hf_config.vocab_size,
             config.structured_outputs_config.structured_outputs_backend,
             token_trie=component(components, "token_trie", TokenTrie),   # the course backend's vocabulary trie
-            limits=config.structured_outputs_config.limits, cache_bytes=envs.xgrammar_cache_bytes())
+            limits=config.structured_outputs_config, cache_bytes=envs.xgrammar_cache_bytes())
         self.output_processor = OutputProcessor(
             self.prompts.tokenizer, component(components, "detokenizer", IncrementalDetokenizer))
         self.tracer = StepTracer(self.scheduler, model_config.hf_config.vocab_size) if trace else None
@@ -187,13 +187,9 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
             text = prompt.get("prompt")
-        if isinstance(text, str) and truncate is None and self.prompts.tokenizer is not None:
-            min_tokens = len(text) // self.prompts.max_token_chars
-            if min_tokens >= self.config.scheduler_config.max_model_len:
-                which = f"request {name!r}: the prompt" if name else "prompt"
-                raise ValueError(f"{which} has {len(text):,} characters, so at least {min_tokens:,} tokens, but "
-                                 f"max_model_len is {self.config.scheduler_config.max_model_len}: shorten the prompt "
-                                 "(or set truncate_prompt_tokens)")
+        if isinstance(text, str) and truncate is None:
+            self.check_text_fits(len(text), f"request {name!r}: the prompt" if name else "prompt",
+                                 "the prompt (or set truncate_prompt_tokens)")
         text, token_ids = self.prompts.process(prompt)
         if truncate is not None:
             keep = self.config.scheduler_config.max_model_len - 1 if truncate == -1 else truncate
@@ -202,6 +198,18 @@ class Engine:
                 text = self.prompts.tokenizer.decode(token_ids, skip_special_tokens=False) \
                     if self.prompts.tokenizer is not None else None
         return text, token_ids
+
+    def check_text_fits(self, num_chars: int, which: str, shorten: str = "it") -> None:
+        """``ValueError`` if ``num_chars`` characters of text cannot fit ``max_model_len``,
+        known before tokenizing them (that alone could take seconds): they need at least
+        ``num_chars`` / (the longest token's characters) tokens."""
+        if self.prompts.tokenizer is None:   # no text to tokenize at all
+            return
+        min_tokens = num_chars // self.prompts.max_token_chars
+        max_model_len = self.config.scheduler_config.max_model_len
+        if min_tokens >= max_model_len:
+            raise ValueError(f"{which} has {num_chars:,} characters, so at least {min_tokens:,} tokens, but "
+                             f"max_model_len is {max_model_len}: shorten {shorten}")
 
     def add_processed_request(self, request: ProcessedRequest) -> None:
         """Queue a request ``process_request`` accepted: nothing here can fail half-way."""

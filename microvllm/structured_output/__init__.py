@@ -34,7 +34,7 @@ from collections import OrderedDict
 
 import torch
 
-from microvllm.config.structured_outputs import SpecLimits
+from microvllm.config.structured_outputs import StructuredOutputsConfig
 from microvllm.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
@@ -53,12 +53,12 @@ class StructuredOutputManager:
     """One engine's backend and its requests' grammars (by the scheduler's request id)."""
 
     def __init__(self, tokenizer, vocab_size: int, backend: str = "auto", token_trie: type | None = None,
-                 limits: SpecLimits | None = None, cache_bytes: int = 64 << 20):
+                 limits: StructuredOutputsConfig | None = None, cache_bytes: int = 64 << 20):
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend={backend!r}: choose one of {BACKENDS}")
         self.tokenizer, self.vocab_size, self.backend_name = tokenizer, vocab_size, backend
         self.token_trie = token_trie   # the course backend's TokenTrie class (exercise 15: yours)
-        self.limits = limits or SpecLimits()
+        self.limits = limits or StructuredOutputsConfig()   # its structured_outputs_max_* fields
         self._backends: dict[str, StructuredOutputBackend] = {}
         self.grammars: dict[str, StructuredOutputGrammar] = {}
         # Compiled grammars by spec, least recently used first, at most cache_bytes in all:
@@ -71,10 +71,8 @@ class StructuredOutputManager:
         self.num_mask_steps = 0
         self.last_mask_seconds = 0.0
 
-    def backend_for(self, params) -> StructuredOutputBackend:
-        return self._backend(StructuredOutputOptions(params.structured_outputs.kind))
-
-    def _backend(self, kind: StructuredOutputOptions) -> StructuredOutputBackend:
+    def backend(self, kind: StructuredOutputOptions) -> StructuredOutputBackend:
+        """The backend that compiles ``kind`` (built on first use)."""
         name = self.backend_name
         if name == "auto":   # xgrammar where installed (vLLM's default), else the course's
             name = "xgrammar" if _xgrammar_installed() else "course"
@@ -99,40 +97,30 @@ class StructuredOutputManager:
         job, grammars = self.prepare(params, n)
         if grammars is not None:
             return grammars
-        backend = self.backend_for(params)
-        try:
-            compiled = backend.spec_compiler().compile(job.kind, job.spec, job.any_whitespace)
-        except ValueError as error:
-            raise ValueError(_name_the_field(str(error), params)) from None
-        return self._grammars(params, self._remember(params, compiled, backend), n)
+        compiled = self.backend(job.kind).spec_compiler().compile(job.kind, job.spec, job.any_whitespace)
+        return self._grammars(job, self._remember(job, compiled), n)
 
     def prepare(self, params, n: int) -> tuple[CompileJob, list[StructuredOutputGrammar] | None]:
         """The cheap part of compiling: the limits (``ValueError``), then the cache. Returns
         the job to compile, and the grammars already if the spec was compiled before."""
         structured = params.structured_outputs
-        kind = StructuredOutputOptions(structured.kind)
-        check_spec(structured.kind, structured.spec, self.limits)
-        backend = self._backend(kind)
-        job = CompileJob(kind, structured.spec, not structured.disable_any_whitespace)
+        job = CompileJob(StructuredOutputOptions(structured.kind), structured.spec,
+                         not structured.disable_any_whitespace)
+        check_spec(structured, job.spec, self.limits)
+        key = _key(self.backend(job.kind), job)
         with self._lock:
-            hit = self._compiled.get(_key(backend, job))
+            hit = self._compiled.get(key)
             if hit is not None:
-                self._compiled.move_to_end(_key(backend, job))
-        return job, (self._grammars(params, hit[0], n) if hit is not None else None)
+                self._compiled.move_to_end(key)
+        return job, (self._grammars(job, hit[0], n) if hit is not None else None)
 
-    def name_the_field(self, message: str, params) -> str:
-        return _name_the_field(message, params)
-
-    def grammars_from(self, params, blob, n: int) -> list[StructuredOutputGrammar]:
+    def grammars_from(self, job: CompileJob, blob, n: int) -> list[StructuredOutputGrammar]:
         """The grammars for what a compile worker sent back (``SpecCompiler.dump``)."""
-        backend = self.backend_for(params)
-        return self._grammars(params, self._remember(params, backend.load(blob), backend), n)
+        return self._grammars(job, self._remember(job, self.backend(job.kind).load(blob)), n)
 
-    def _remember(self, params, compiled, backend: StructuredOutputBackend):
-        structured = params.structured_outputs
-        key = _key(backend, CompileJob(StructuredOutputOptions(structured.kind), structured.spec,
-                                       not structured.disable_any_whitespace))
-        size = backend.compiled_size(compiled)
+    def _remember(self, job: CompileJob, compiled):
+        backend = self.backend(job.kind)
+        key, size = _key(backend, job), backend.compiled_size(compiled)
         with self._lock:
             if key not in self._compiled and size <= self.cache_bytes:
                 self._compiled[key] = (compiled, size)
@@ -142,12 +130,9 @@ class StructuredOutputManager:
                     self._cached_bytes -= dropped
         return compiled
 
-    def _grammars(self, params, compiled, n: int) -> list[StructuredOutputGrammar]:
-        structured = params.structured_outputs
-        kind = StructuredOutputOptions(structured.kind)
-        backend = self._backend(kind)
-        with self._lock:
-            return [backend.new_grammar(kind, compiled, not structured.disable_any_whitespace) for _ in range(n)]
+    def _grammars(self, job: CompileJob, compiled, n: int) -> list[StructuredOutputGrammar]:
+        backend = self.backend(job.kind)
+        return [backend.new_grammar(job.kind, compiled, job.any_whitespace) for _ in range(n)]
 
     def check_can_start(self, params, grammar: StructuredOutputGrammar) -> None:
         """``ValueError`` if ``grammar`` (just compiled for ``params``) allows no first token,
@@ -192,13 +177,6 @@ class StructuredOutputManager:
 
 def _key(backend: StructuredOutputBackend, job: CompileJob) -> tuple:
     return backend.name, job.kind, job.spec, job.any_whitespace
-
-
-def _name_the_field(message: str, params) -> str:
-    """Compile errors start with the field they are about (a 400's ``param``)."""
-    if message.startswith("structured_outputs"):
-        return message
-    return f"structured_outputs.{params.structured_outputs.kind} cannot be compiled: {message}"
 
 
 def _xgrammar_installed() -> bool:

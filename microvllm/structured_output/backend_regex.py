@@ -31,7 +31,7 @@ Special tokens are never allowed while a grammar runs.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -173,37 +173,52 @@ class RegexBackend(StructuredOutputBackend):
 
     name = "course"
 
-    def __init__(self, tokenizer, vocab_size: int, trie_class: type = TokenTrie, max_patterns: int = 32):
+    def __init__(self, tokenizer, vocab_size: int, trie_class: type = TokenTrie):
         self.vocabulary = TokenVocabulary(tokenizer, vocab_size, trie_class)   # trie_class: exercise 15's
-        # pattern -> (its DFA, its states' masks), shared by every request with that pattern
-        # (a mask is only valid for the DFA whose state numbers it is keyed by); the least
-        # recently used pattern is dropped beyond max_patterns.
-        self._compiled: OrderedDict[str, tuple[RegexDFA, dict[int, torch.Tensor]]] = OrderedDict()
-        self.max_patterns = max_patterns
 
     def spec_compiler(self) -> CourseSpecCompiler:
         return CourseSpecCompiler()
 
-    def new_grammar(self, kind: StructuredOutputOptions, compiled, any_whitespace: bool) -> RegexGrammar:
-        pattern, dfa = compiled
-        dfa, masks = self._compiled.pop(pattern, None) or (dfa, {})
-        self._compiled[pattern] = (dfa, masks)
-        while len(self._compiled) > self.max_patterns:
-            self._compiled.popitem(last=False)
-        return RegexGrammar(dfa, self.vocabulary, masks)
+    def new_grammar(self, kind: StructuredOutputOptions, compiled: CompiledRegex,
+                    any_whitespace: bool) -> RegexGrammar:
+        return RegexGrammar(compiled.dfa, self.vocabulary, compiled.masks)
+
+    def compiled_size(self, compiled: CompiledRegex) -> int:
+        """What the manager's cache counts for a pattern: its masks, one bool per id each.
+        They are built as states are visited, after it is cached, so a budget stands for
+        them: ``MASKS_PER_PATTERN`` masks (a pattern visits a handful of states)."""
+        return MASKS_PER_PATTERN * self.vocabulary.vocab_size
+
+
+MASKS_PER_PATTERN = 32
+
+
+@dataclass
+class CompiledRegex:
+    """A pattern's DFA and its states' masks (``state -> bool [vocab]``), shared by every
+    request with that pattern: a mask is only valid for the DFA whose state numbers key it.
+    The masks start empty (so it pickles small, out of a compile worker) and fill as the
+    requests' grammars visit states."""
+
+    pattern: str
+    dfa: RegexDFA
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class CourseSpecCompiler(SpecCompiler):
-    """A regex (or a choice list, as a regex) -> ``(pattern, its DFA)``. Plain Python
+    """A regex (or a choice list, as a regex) -> its ``CompiledRegex``: plain Python
     objects, so a worker process can build the DFA and pickle it back."""
 
-    def compile(self, kind: StructuredOutputOptions, spec: str, any_whitespace: bool) -> tuple[str, RegexDFA]:
-        if kind == StructuredOutputOptions.CHOICE:
-            spec = choice_regex(spec)
-        elif kind != StructuredOutputOptions.REGEX:
-            raise ValueError(f"the course backend compiles regex and choice only, not {kind.value}: "
-                             "use the xgrammar backend for JSON schemas, JSON objects and grammars")
-        return spec, RegexDFA(spec)
+    def compile(self, kind: StructuredOutputOptions, spec: str, any_whitespace: bool) -> CompiledRegex:
+        try:
+            if kind == StructuredOutputOptions.CHOICE:
+                spec = choice_regex(spec)
+            elif kind != StructuredOutputOptions.REGEX:
+                raise ValueError(f"the course backend compiles regex and choice only, not {kind.value}: "
+                                 "use the xgrammar backend for JSON schemas, JSON objects and grammars")
+            return CompiledRegex(spec, RegexDFA(spec))
+        except ValueError as error:   # the error starts with the field it is about (a 400's param)
+            raise ValueError(f"structured_outputs.{kind.value} cannot be compiled: {error}") from None
 
 
 def choice_regex(choices) -> str:

@@ -120,9 +120,8 @@ class XgrammarBackend(StructuredOutputBackend):
     def spec_compiler(self) -> XgrammarSpecCompiler:
         return self._spec_compiler
 
-    def load(self, blob):
-        return blob if isinstance(blob, self.xgr.CompiledGrammar) else \
-            self.xgr.CompiledGrammar.deserialize_json(blob, self.tokenizer_info)
+    def load(self, blob: str):
+        return self.xgr.CompiledGrammar.deserialize_json(blob, self.tokenizer_info)
 
     def compiled_size(self, compiled) -> int:
         return int(compiled.memory_size_bytes)

@@ -103,7 +103,7 @@ class _Worker:
         ours, theirs = socket.socketpair()
         code = f"from microvllm.structured_output.compile_workers import _worker_main; _worker_main({theirs.fileno()})"
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
-                                        stdin=subprocess.DEVNULL, start_new_session=False)
+                                        stdin=subprocess.DEVNULL)
         theirs.close()
         self.connection = multiprocessing.connection.Connection(ours.detach())
         self.connection.send(spec_compiler)
@@ -147,7 +147,6 @@ class GrammarCompileWorkers:
             self._add_worker()
         # One thread per worker waits on its pipe; jobs beyond that queue here.
         self._threads = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="microvllm-compile")
-        self.num_crashes = self.num_timeouts = self.num_cancelled = 0
 
     def _add_worker(self) -> None:
         """Start a worker; it becomes idle once it took its compiler (the child imports
@@ -240,11 +239,9 @@ class GrammarCompileWorkers:
             if not worker.is_alive():
                 self._crashed(worker, what)
             if cancelled.is_set():
-                self.num_cancelled += 1
                 self._replace(worker)
                 raise CompileCancelled()
             if time.monotonic() > deadline:
-                self.num_timeouts += 1
                 self._replace(worker)
                 raise CompileTimeout(
                     f"{what} took longer than {self.timeout:g} s to compile ({time.monotonic() - started:.1f} s "
@@ -252,7 +249,6 @@ class GrammarCompileWorkers:
                     "simplify it, or start the server with a larger --structured-outputs-compile-timeout")
 
     def _crashed(self, worker: _Worker, what: str) -> typing.NoReturn:
-        self.num_crashes += 1
         try:
             worker.process.wait(1)
         except subprocess.TimeoutExpired:
@@ -273,10 +269,8 @@ class GrammarCompileWorkers:
             except queue.Empty:
                 pass
             if cancelled.is_set():
-                self.num_cancelled += 1
                 raise CompileCancelled()
             if time.monotonic() > deadline:
-                self.num_timeouts += 1
                 raise CompileTimeout(f"{what} waited {self.timeout:g} s for a compile worker (every one was busy "
                                      "with other requests' grammars): retry later, or start the server with more "
                                      "--structured-outputs-compile-workers")
@@ -290,8 +284,3 @@ class GrammarCompileWorkers:
         for worker in workers:
             worker.kill()
         self._threads.shutdown(wait=False, cancel_futures=True)
-
-    @property
-    def pids(self) -> list[int]:
-        with self._lock:
-            return [w.process.pid for w in self._workers]

@@ -23,27 +23,27 @@ from __future__ import annotations
 
 import json
 
-from microvllm.config.structured_outputs import SpecLimits
+from microvllm.config.structured_outputs import StructuredOutputsConfig
 
 
-def check_spec(kind: str, spec, limits: SpecLimits) -> None:
-    """Raise ``ValueError`` naming ``structured_outputs.<kind>`` if ``spec`` breaks a limit."""
-    field = f"structured_outputs.{kind}"
-    text = spec if isinstance(spec, str) else json.dumps(spec, ensure_ascii=False)
-    if len(text) > limits.max_spec_chars:
-        raise ValueError(f"{field} is {len(text):,} characters long, more than this server compiles "
-                         f"({limits.max_spec_chars:,}, --structured-outputs-max-spec-chars): shorten it")
+def check_spec(structured, spec: str, limits: StructuredOutputsConfig) -> None:
+    """Raise ``ValueError`` naming ``structured_outputs.<kind>`` if ``structured`` (a
+    ``StructuredOutputsParams``; ``spec`` is its text) breaks one of ``limits``'s."""
+    kind, field = structured.kind, f"structured_outputs.{structured.kind}"
+    if len(spec) > limits.structured_outputs_max_spec_chars:
+        raise ValueError(f"{field} is {len(spec):,} characters long, more than this server compiles "
+                         f"({limits.structured_outputs_max_spec_chars:,}, --structured-outputs-max-spec-chars): "
+                         "shorten it")
     if kind == "choice":
-        choices = json.loads(text)
-        if len(choices) > limits.max_choices:
-            raise ValueError(f"{field} has {len(choices):,} entries, more than this server compiles "
-                             f"({limits.max_choices:,}, --structured-outputs-max-choices): "
+        if len(structured.choice) > limits.structured_outputs_max_choices:
+            raise ValueError(f"{field} has {len(structured.choice):,} entries, more than this server compiles "
+                             f"({limits.structured_outputs_max_choices:,}, --structured-outputs-max-choices): "
                              "send fewer, or a regex or grammar that describes them")
     elif kind == "json":
-        schema = json.loads(text)
-        depth = schema_depth(schema, stop_at=limits.max_schema_depth + 1)
-        if depth > limits.max_schema_depth:
-            raise ValueError(f"{field} is nested more than {limits.max_schema_depth} levels deep "
+        max_depth = limits.structured_outputs_max_schema_depth
+        schema = json.loads(spec) if isinstance(structured.json, str) else structured.json
+        if schema_depth(schema, stop_at=max_depth + 1) > max_depth:
+            raise ValueError(f"{field} is nested more than {max_depth} levels deep "
                              f"(counting what each $ref leads to; --structured-outputs-max-schema-depth): "
                              "flatten the schema")
 

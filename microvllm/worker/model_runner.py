@@ -251,7 +251,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         # Structured outputs: the sampler masks these rows (forbidden ids -> -inf) after it
         # has taken the raw logprobs.
-        row_of = {s.req_id: row for row, s in enumerate(sampled_states)}
+        grammar_rows = None
+        if plan.grammar_bitmask is not None:
+            row_of = {s.req_id: row for row, s in enumerate(sampled_states)}
+            grammar_rows = [row_of[r] for r in plan.structured_output_request_ids]
         sampling_metadata = SamplingMetadata.from_params(
             [s.sampling_params for s in sampled_states],
             [s.generator for s in sampled_states],
@@ -259,8 +262,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             token_ids=[s.token_ids for s in sampled_states],  # for penalties
             num_prompt_tokens=[s.num_prompt_tokens for s in sampled_states],
-            grammar_bitmask=plan.grammar_bitmask,
-            grammar_rows=[row_of[r] for r in plan.structured_output_request_ids])
+            grammar_bitmask=plan.grammar_bitmask, grammar_rows=grammar_rows)
         # Built on the CPU, as the inputs are; the sampler reads it where the logits are.
         out = self.sampler(logits, sampling_metadata.to(logits.device))
         tokens = out.sampled_token_ids.tolist()
@@ -304,8 +306,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float()
         # Structured requests have no drafts: one row each (its first), masked by the
         # sampler's rules below, after the raw logprobs are taken.
-        first_row = dict(zip((s.req_id for s in sampled_states),
-                             itertools.accumulate((len(d) + 1 for d in drafts), initial=0)))
+        grammar_rows = None
+        if plan.grammar_bitmask is not None:
+            first_row = dict(zip((s.req_id for s in sampled_states),
+                                 itertools.accumulate((len(d) + 1 for d in drafts), initial=0)))
+            grammar_rows = [first_row[r] for r in plan.structured_output_request_ids]
         # One "virtual request" per row: request a after 0, 1, ... of its drafts.
         per_row = [(s, own[:j]) for s, own in zip(sampled_states, drafts) for j in range(len(own) + 1)]
         needs_history = any(s.sampling_params.has_penalties or getattr(s.sampling_params, "bad_words_token_ids", None)
@@ -316,8 +321,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             token_ids=[s.token_ids + seen for s, seen in per_row] if needs_history else None,
             num_prompt_tokens=[s.num_prompt_tokens for s, _ in per_row] if needs_history else None,
-            grammar_bitmask=plan.grammar_bitmask,
-            grammar_rows=[first_row[r] for r in plan.structured_output_request_ids],
+            grammar_bitmask=plan.grammar_bitmask, grammar_rows=grammar_rows,
         ).to(logits.device)
         raw_logprobs = compute_logprobs(logits) if metadata.max_num_logprobs is not None else None
         output = self.rejection_sampler(SpecDecodeMetadata.from_lists(drafts, logits.device),

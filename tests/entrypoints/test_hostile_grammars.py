@@ -13,23 +13,21 @@ before they compile, ``n`` and long chats.
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from microvllm.bench.hostile import compile_worker_pids, object_chain, ref_chain
 from microvllm.engine.async_llm import AsyncLLM
 from microvllm.entrypoints.openai import api_server
 from microvllm.entrypoints.openai.api_server import build_app
 from microvllm.models.tiny import make_tiny_model
 from tests.entrypoints.test_hostile_traffic import ThreadServer, assert_400
-from tests.entrypoints.test_openai_server import ROOT, free_port, wait_for
+from tests.entrypoints.test_openai_server import Server, wait_for
 
 pytest.importorskip("xgrammar")
 
@@ -40,61 +38,11 @@ SERVER_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batc
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-def object_chain(depth: int) -> dict:
-    """``d0 = {x: d1}, d1 = {x: d2}, ...``: flat as JSON text, ``depth`` objects deep."""
-    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
-            for i in range(depth)}
-    defs[f"d{depth}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
-def ref_chain(depth: int) -> dict:
-    """``d0 -> d1 -> ... -> d<depth>``: each definition only a ``$ref`` to the next."""
-    defs: dict = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(depth)}
-    defs[f"d{depth}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
 def response_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "attack", "schema": schema}}
 
 
 SLOW_SCHEMA = ref_chain(3000)   # ~10 s to compile on a 2-core machine
-
-
-class ServeProcess:
-    def __init__(self, folder, log_path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "microvllm", "serve", str(folder), "--port", str(self.port),
-             "--uvicorn-log-level", "warning", *SERVER_FLAGS],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def healthy(self) -> bool:
-        assert self.alive(), f"the server exited ({self.process.returncode}):\n{self.log_path.read_text()[-3000:]}"
-        try:
-            return httpx.get(self.url + "/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def compile_workers(self) -> set[int]:
-        """The pids of the server's grammar-compile processes (its children)."""
-        out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(self.process.pid)],
-                             capture_output=True, text=True).stdout
-        return {int(line.split()[0]) for line in out.splitlines() if "compile_workers" in line}
-
-    def stop(self):
-        if self.alive():
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(30)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +52,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
-    srv = ServeProcess(folder, tmp_path_factory.mktemp("grammar-attacks-log") / "server.log")
+    srv = Server(folder, tmp_path_factory.mktemp("grammar-attacks-log") / "server.log", SERVER_FLAGS)
     try:
         wait_for(srv.healthy, 180, "the server's /health")
         yield srv
@@ -129,7 +77,7 @@ def normal_request_works(server) -> None:
 def test_a_schema_that_crashes_the_compiler_is_a_400_and_the_server_lives(server):
     response = chat(server, response_format=response_format(object_chain(4000)))
     assert_400(response, "structured_outputs.json", "crashed")
-    assert server.alive()
+    assert server.process.poll() is None
     normal_request_works(server)
     assert "Traceback" not in server.log_path.read_text()
 
@@ -146,13 +94,14 @@ def test_a_compile_past_the_time_limit_is_a_400_naming_the_option(server):
 
 @pytest.mark.slow
 def test_a_compile_whose_client_left_is_killed(server):
-    wait_for(lambda: len(server.compile_workers()) == 1, 30,
-             f"one idle compile worker (now: {server.compile_workers()})")
-    (before,) = server.compile_workers()
+    wait_for(lambda: len(compile_worker_pids(server.process.pid)) == 1, 30,
+             f"one idle compile worker (now: {compile_worker_pids(server.process.pid)})")
+    (before,) = compile_worker_pids(server.process.pid)
     with pytest.raises(httpx.ReadTimeout):
         chat(server, timeout=1.0, response_format=response_format(SLOW_SCHEMA))
     # Killed at once, not when its compile ends (~10 s) or times out (4 s): a new one replaces it.
-    wait_for(lambda: before not in server.compile_workers(), 2.5, "the abandoned compile's worker to be killed")
+    wait_for(lambda: before not in compile_worker_pids(server.process.pid), 2.5,
+             "the abandoned compile's worker to be killed")
     normal_request_works(server)
 
 
@@ -193,11 +142,7 @@ def test_after_the_attacks_the_server_is_as_new(server, folder):
                           use_tqdm=False)[0].outputs[0].text
     assert got["choices"][0]["text"] == want
 
-    def idle_usage():
-        text = httpx.get(server.url + "/metrics", timeout=10).text
-        return float(re.search(r"^microvllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M).group(1)) == 0
-
-    wait_for(idle_usage, 10, "KV usage 0 when idle")
+    wait_for(lambda: server.metrics()["kv_cache_usage_perc"] == 0, 10, "KV usage 0 when idle")
 
 
 @pytest.mark.slow
@@ -207,7 +152,7 @@ def test_sigterm_exits_within_the_shutdown_timeout_during_a_compile(server):
                               daemon=True)
     attack.start()
     time.sleep(1.0)   # compiling now
-    workers = server.compile_workers()
+    workers = compile_worker_pids(server.process.pid)
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     server.process.wait(30)

@@ -14,21 +14,16 @@ and after each, the server still answers a normal request at once.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from microvllm.models.tiny import make_tiny_model
+from tests.entrypoints.test_openai_server import Server, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 HEADER_TIMEOUT = BODY_TIMEOUT = 1.0
 MAX_BODY = 200_000
 SETTINGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
@@ -38,41 +33,16 @@ CHAT = [{"role": "user", "content": "hi"}]
 JSON = {"content-type": "application/json"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """(url, port) of a ``microvllm serve`` process with the short limits above."""
     root = tmp_path_factory.mktemp("messages")
-    folder = make_tiny_model(root / "llama", "llama", seed=7)
-    port = free_port()
-    log_path = root / "server.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "microvllm", "serve", str(folder), "--port", str(port),
-             "--uvicorn-log-level", "warning", *SETTINGS],
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+    srv = Server(make_tiny_model(root / "llama", "llama", seed=7), root / "server.log", SETTINGS)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, f"the server exited:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the server did not start in 180 s"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield url, port
+        wait_for(srv.healthy, 180, "the server's /health")
+        yield srv.url, srv.port
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(30)
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

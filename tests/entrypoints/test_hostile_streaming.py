@@ -19,26 +19,17 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 
-import openai
 import pytest
 
-from microvllm.engine.async_llm import AsyncLLM
-from microvllm.entrypoints.openai.api_server import build_app
-from tests.entrypoints.test_hostile_traffic import ThreadServer
-from tests.entrypoints.test_structured_serving import MESSAGES, TOOLS
+from tests.entrypoints.test_structured_serving import MESSAGES, TOOLS, openai_client
 
 SENTENCES = "Write three short sentences about the sea."
 
 
 @pytest.fixture(scope="module")
 def client(default_model_folder):
-    engine = AsyncLLM(str(default_model_folder), max_model_len=1024, max_num_seqs=8)
-    server = ThreadServer(build_app(engine, "smollm2"))
-    try:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    finally:
-        server.stop()
-        engine.shutdown()
+    with openai_client(default_model_folder, max_model_len=1024, max_num_seqs=8) as client:
+        yield client
 
 
 def finishes_per_choice(chunks) -> Counter:

@@ -49,14 +49,14 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 
 
 class Server:
-    def __init__(self, folder: Path, log: Path):
+    def __init__(self, folder: Path, log: Path, flags: list[str] = SETTINGS):
         self.folder, self.port = str(folder), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         self.log = open(log, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "microvllm", "serve", self.folder, "--port", str(self.port),
-             "--uvicorn-log-level", "warning", *SETTINGS],
+             "--uvicorn-log-level", "warning", *flags],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
         self.log_path = log
 

@@ -3,6 +3,7 @@ SmolLM2-135M-Instruct behind a real server: ``response_format`` returns JSON tha
 validates, ``tool_choice="required"`` (vLLM's example request, streamed and not)
 returns tool calls whose arguments validate against the tool's parameters."""
 
+import contextlib
 import json
 
 import jsonschema
@@ -33,15 +34,22 @@ TOOLS = [
 MESSAGES = [{"role": "user", "content": "What is the weather in Dallas, and the forecast for 5 days?"}]
 
 
-@pytest.fixture(scope="module")
-def client(default_model_folder):
-    engine = AsyncLLM(str(default_model_folder), max_model_len=1024, max_num_seqs=4)
+@contextlib.contextmanager
+def openai_client(folder, **engine_args):
+    """An ``openai`` client of an in-process server over ``folder`` (served as "smollm2")."""
+    engine = AsyncLLM(str(folder), **engine_args)
     server = ThreadServer(build_app(engine, "smollm2"))
     try:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     finally:
         server.stop()
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(default_model_folder):
+    with openai_client(default_model_folder, max_model_len=1024, max_num_seqs=4) as client:
+        yield client
 
 
 def test_response_format_json_schema_returns_json_that_validates(client):

@@ -293,7 +293,7 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
                 tokenizer = engine.tokenizer
                 if tokenizer is None:
                     raise ValueError("this model has no tokenizer")
-                serving.check_text_fits(len(request.prompt), "prompt")
+                engine.engine.check_text_fits(len(request.prompt), "prompt")
                 token_ids = await engine.run_on_tokenizer_thread(
                     functools.partial(tokenizer.encode, request.prompt, request.add_special_tokens))
         except (ValueError, TypeError) as error:

@@ -107,26 +107,13 @@ class OpenAIServing:
         return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else ""
 
     # ---------------------------------------------------------- prompts
-    def check_request_size(self, params: SamplingParams, num_prompts: int = 1) -> None:
+    def check_request_size(self, params: SamplingParams) -> None:
         """Work one request may ask for, checked before any of it is done: ``n`` at most
         ``$VLLM_MAX_N_SEQUENCES`` (vLLM's name; default 64 here)."""
         max_n = envs.max_n_sequences()
         if params.n > max_n:
             raise ValueError(f"n={params.n} is more than this server allows ({max_n}, set by "
                              "$VLLM_MAX_N_SEQUENCES): ask for fewer samples per request")
-
-    def check_text_fits(self, num_chars: int, field: str) -> None:
-        """Refuse text that cannot fit ``max_model_len`` before tokenizing it (8 MB takes
-        seconds and gigabytes): it needs at least ``num_chars`` / (the longest token's
-        characters) tokens. The completions route does the same in the engine."""
-        prompts = self.engine.engine.prompts
-        if prompts.tokenizer is None:
-            return
-        min_tokens = num_chars // prompts.max_token_chars
-        if min_tokens >= self.max_model_len:
-            raise ValueError(f"{field}: the text has {num_chars:,} characters, so at least {min_tokens:,} tokens, "
-                             f"but this model's maximum context length (max_model_len) is {self.max_model_len}: "
-                             "shorten it")
 
     async def _prepare(self, prompt, params: SamplingParams, max_tokens: int | None, where: str) -> dict:
         """Tokenize off the engine thread, then check the request fits the context."""
@@ -152,7 +139,7 @@ class OpenAIServing:
         prompts = request.prompts()
         if not prompts:
             raise ValueError("prompt must not be empty")
-        self.check_request_size(params, len(prompts))
+        self.check_request_size(params)
         scoring_only = request.max_tokens == 0
         prepared = [await self._prepare(p, params, None if scoring_only else request.max_tokens, "prompt")
                     for p in prompts]
@@ -223,7 +210,8 @@ class OpenAIServing:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so chat messages cannot be rendered")
         dumped = [m.model_dump(exclude_none=True) for m in request.messages]
-        self.check_text_fits(sum(_text_chars(m.get("content")) for m in dumped), "messages")
+        # 8 MB of chat would take seconds and gigabytes to render and tokenize: refused first.
+        self.engine.engine.check_text_fits(sum(_text_chars(m.get("content")) for m in dumped), "messages: the chat")
         messages = parse_chat_messages(dumped)
         chat_template = request.chat_template or self.chat_template
         template_kwargs = dict(request.chat_template_kwargs or {})
