@@ -36,6 +36,19 @@ def cxx() -> str | None:
     return os.environ.get("CXX") or None
 
 
+CPU_ISAS = ("native", "avx512", "avx2", "portable")
+
+
+def cpu_isa() -> str:
+    """``$MICROVLLM_CPU_ISA``: the instruction set the CPU kernels are built for and may
+    use (default ``native``, this CPU's best; ``avx512``, ``avx2`` or ``portable`` to build
+    and test what another machine runs). Raises ValueError for any other value."""
+    isa = os.environ.get("MICROVLLM_CPU_ISA", "native").strip().lower() or "native"
+    if isa not in CPU_ISAS:
+        raise ValueError(f"MICROVLLM_CPU_ISA={isa!r} is not a target: use one of {', '.join(CPU_ISAS)}")
+    return isa
+
+
 def triton_interpret() -> bool:
     """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
