@@ -7,6 +7,8 @@
     microvllm serve [MODEL] --port 8000 [engine flags]     OpenAI-compatible server
     microvllm bench serve --port 8000 --request-rate 4      load test a running server
     microvllm bench hostile                 what hostile requests cost a server's other clients
+    microvllm bench targets                 the engine built for each CPU target (native, avx2, portable)
+    microvllm collect-env                   this machine: CPU units, kernel target, each kernel, each op's route
     microvllm --version
 
 ``microvllm course build|check`` (regenerate and check the exercises) is reachable
@@ -26,7 +28,7 @@ import time
 from microvllm.cli.parser import FlexibleArgumentParser
 from microvllm.cli.serve import add_serve_args, missing_serve_dependencies
 
-SUBCOMMANDS = "{generate,bench,serve}"  # the ones the help lists ("course" is hidden)
+SUBCOMMANDS = "{generate,bench,serve,collect-env}"  # the ones the help lists ("course" is hidden)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,14 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen.add_argument_group("engine arguments"))
 
     bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench serve | bench structured | "
-                                         "bench hostile | bench attention | bench gpu")
+                                         "bench hostile | bench targets | bench attention | bench gpu")
     which = bench.add_subparsers(dest="bench", required=True,
-                                 metavar="{throughput,serve,structured,hostile,attention,gpu}")
+                                 metavar="{throughput,serve,structured,hostile,targets,attention,gpu}")
     # Listed here for the help; main() hands the line to their own parsers.
     for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
                        ("serve", "load a running server: Poisson arrivals, TTFT / TPOT / ITL"),
                        ("structured", "tokens/s with and without a JSON schema, and the grammar mask's cost"),
                        ("hostile", "a server under hostile requests: the other clients' token gaps, memory"),
+                       ("targets", "decode speed with the kernels built for each CPU target, side by side"),
                        ("attention", "attention kernels (needs a CUDA GPU)"),
                        ("gpu", "the engine on a CUDA GPU: tokens vs the CPU, kernels, speed")):
         one = which.add_parser(name, help=text, add_help=False)
@@ -67,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_args(serve)
 
+    sub.add_parser("collect-env", help="this machine's CPU units, kernel target, kernels built and each op's route")
     return parser
 
 
@@ -78,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         from microvllm.course.build import main as course_main
         return course_main(argv[1:])
     parser = build_parser()
-    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["hostile"], ["attention"],
-                                                 ["gpu"]):
+    if argv[:1] == ["collect-env"]:
+        from microvllm.collect_env import main as collect_env_main
+        return collect_env_main(argv[1:])
+    if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["hostile"], ["targets"],
+                                                 ["attention"], ["gpu"]):
         if argv[1] == "throughput" and "quantization" in argv[2:]:   # --workload quantization
             from microvllm.bench.quantized import main as bench_main
         elif argv[1] == "throughput":
@@ -92,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             from microvllm.bench.structured import main as bench_main
         elif argv[1] == "hostile":
             from microvllm.bench.hostile import main as bench_main
+        elif argv[1] == "targets":
+            from microvllm.bench.targets import main as bench_main
         else:
             from microvllm.bench.attention import main as bench_main
         return _without_traceback(parser, bench_main, argv[2:])

@@ -73,6 +73,6 @@ class CpuPlatform(Platform):
     def build_decode_step_runner(self, model: nn.Module, **limits) -> Callable | None:
         reason = decode_fast_path.unsupported_reason(model)
         if reason is not None:
-            logger.debug("decode fast path off: %s", reason)
+            logger.info("decode fast path off: %s", reason)
             return None
         return decode_fast_path.DecodeFastPath(model)
