@@ -36,13 +36,17 @@
 //
 // Requires: an AMX CPU (amx_tile, amx_bf16, avx512_bf16), N % 16 == 0, K % 32 == 0, and
 // Linux's permission for this process to use the tile registers (amx_init). Called by
-// platforms/cpu/gemm_kernels.py.
+// platforms/cpu/gemm_kernels.py. Built for any other target, the file defines the same
+// entry points with empty bodies (amx_init returns 1), which are never called: kernels.py
+// checks the CPU's flags before it loads this library.
 
 #include "ops.h"   // this file's C entry points, declared once
-#include "amx_tiles.h"
-#include <immintrin.h>
+#include "amx_tiles.h"   // MICROVLLM_AMX: this build targets AMX
 
 #include <cstdint>
+
+#ifdef MICROVLLM_AMX
+#include <immintrin.h>
 
 namespace {
 
@@ -171,3 +175,12 @@ void amx_linear(const void* x_, const void* packed_w, const void* bias_, void* y
 }
 
 }  // extern "C"
+
+#else  // not an AMX build: the entry points, so that the library loads, and nothing else
+
+extern "C" {
+int amx_init() { return 1; }
+void amx_linear(const void*, const void*, const void*, void*, int, int, int) {}
+}  // extern "C"
+
+#endif  // MICROVLLM_AMX

@@ -45,6 +45,8 @@
 // when all of that holds.
 #pragma once
 
+// AMX builds only (quantized_linear.cpp includes this only then); empty elsewhere.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 #include <cstdint>
@@ -230,3 +232,5 @@ inline void linear(bool q8, const float* x, const uint8_t* w, const float* bias,
 }
 
 }  // namespace amx_quantized
+
+#endif  // AMX build

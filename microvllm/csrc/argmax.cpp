@@ -38,9 +38,12 @@ int64_t argmax_row(const float* row, int64_t n) {
 #ifdef __AVX512F__
     __m512 vmax = _mm512_set1_ps(row[0]);
     __mmask16 nans = 0;
+    // A NaN's bits, less the sign, exceed +inf's, compared as integers: clang with
+    // -ffast-math folds a floating-point "unordered" compare to false.
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
     for (; i + 16 <= n; i += 16) {
         const __m512 v = _mm512_loadu_ps(row + i);
-        nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        nans |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), inf);
         vmax = _mm512_max_ps(vmax, v);   // a NaN operand is dealt with by the NaN scan
     }
     nan = nans != 0;

@@ -235,7 +235,7 @@ void paged_attention_prefill(int dtype, const void* query, int64_t query_stride,
     switch (dtype) {
         case 0: wide ? run(prefill<Float32, 128>, (float*)nullptr) : run(prefill<Float32, 64>, (float*)nullptr); break;
         case 1: wide ? run(prefill<BFloat16, 128>, (uint16_t*)nullptr) : run(prefill<BFloat16, 64>, (uint16_t*)nullptr); break;
-        case 2: wide ? run(prefill<Float16, 128>, (_Float16*)nullptr) : run(prefill<Float16, 64>, (_Float16*)nullptr); break;
+        case 2: wide ? run(prefill<Float16, 128>, (Half*)nullptr) : run(prefill<Float16, 64>, (Half*)nullptr); break;
     }
 #endif
 }

@@ -2,7 +2,8 @@
 // each kernel keeps a portable path for the others). The build puts this folder on
 // the include path and in every kernel's build key.
 //
-//   load16(p)          16 stored elements (float32, bfloat16 or float16) -> 16 float32 lanes
+//   load16(p)          16 stored elements (float32, bfloat16 as uint16_t, float16 as Half)
+//                      -> 16 float32 lanes
 //   exp512(x)          e^x in each of 16 lanes, inline
 //
 // and, for loops over a row in 16-lane steps (the last step masked by tail(n)):
@@ -14,6 +15,8 @@
 
 #include <cstdint>
 #include <initializer_list>   // exp512's coefficient list
+
+#include "dtypes.h"   // Half: float16's storage type
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -27,7 +30,7 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
     return widen_bfloat16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 load16(const _Float16* p) {
+inline __m512 load16(const Half* p) {   // float16
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
