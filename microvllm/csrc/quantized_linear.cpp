@@ -11,22 +11,29 @@
 // torch: the reference these kernels are checked against.)
 //
 // Threads split the output rows; the activations stay float32, so the result is F.linear
-// on the dequantized weights up to float rounding. The shapes of the work, by rows of x:
+// on the dequantized weights up to float rounding. The code is written once against VecF
+// (vec.h: 16 float lanes on AVX-512, 8 on AVX2, 4 on NEON). The shapes of the work, by
+// rows of x:
 //
-//   1-20 rows (decode, small batch)   small_batch_tile: 4 weight rows at a time, each block
-//                                     dequantized in registers and used at once; a 16-lane
-//                                     dot product per (x row, weight row), summed across lanes
-//                                     at the end, all 16 at once (sum_lanes_16); 4 rows of x
-//                                     per pass
-//   21 rows and more (larger batch)   linear_wide: 48 weight rows dequantized into a float32
-//                                     scratch (L2), x transposed once per call (64 rows at a
-//                                     time), and tiles that broadcast a weight against 16 rows
-//                                     of x per instruction
+//   a few rows (decode, small batch)  small_batch_tile: 4 weight rows at a time, each block
+//                                     dequantized in registers a vector at a time and used
+//                                     at once; a VecF dot product per (x row, weight row),
+//                                     summed across lanes at the end. 4 rows of x per pass,
+//                                     up to SMALL_BATCH_PASSES passes; the accumulators must
+//                                     fit the registers:
+//                                       AVX-512  4 x rows x 4 weight rows (16 of 32), 1-20 rows
+//                                       AVX2     4 x rows x 2 weight rows ( 8 of 16), 1-8 rows
+//                                       NEON     4 x rows x 4 weight rows (16 of 32), 1-8 rows
+//   more rows (larger batch)          linear_wide: 48 weight rows dequantized into a float32
+//                                     scratch (L2), x transposed once per call, and tiles that
+//                                     broadcast a weight against LANES x MV rows of x per
+//                                     instruction (AVX-512 and NEON: up to 4 vectors of x rows
+//                                     x 6-24 weight rows; AVX2: up to 2 x 6-12)
 //   Q4_1 / Q8_0, 5 rows and more,     amx_quantized_linear.h: the integers multiplied on AMX
 //   on AMX                            tiles against x split exactly into three bf16 parts
-//   without AVX-512                   groups of 16 weight rows dequantized into the scratch,
-//                                     then 4 x 4 tiles of dot products (plain loops where the
-//                                     CPU lacks AVX-512; the compiler vectorizes what it can)
+//   portable build (no VecF)          groups of 16 weight rows dequantized into the scratch,
+//                                     then 4 x 4 tiles of dot products as plain loops (the
+//                                     compiler vectorizes what it can)
 //
 // So the weights cross memory once per call, in their stored size (Q4_1: 5 bits per
 // weight instead of float32's 32), which is what a decode step is bound by. (llama.cpp
@@ -39,9 +46,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include "dtypes.h"   // half_to_float, Half
 #include "thread_buffer.h"
-#ifdef __AVX512F__
-#include <immintrin.h>
+#include "vec.h"
+#if defined(__F16C__) && !defined(MICROVLLM_PORTABLE)
+#include <immintrin.h>   // _cvtsh_ss (vec.h includes it only for its own targets)
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define MICROVLLM_AMX_QUANTIZED 1
@@ -50,36 +59,25 @@
 
 namespace {
 
-constexpr int G = 16;      // output rows per thread work item
 constexpr int QK = 32;     // weights per GGUF block
 
 enum Format { Q4_1 = 0, Q8_0 = 1, INT8 = 2 };
 
+// A block's fp16 scale at p (any alignment) -> float32: one instruction with F16C or on
+// arm64, else dtypes.h's integer conversion (the portable build).
 inline float fp16_to_float(const uint8_t* p) {
+#if defined(__F16C__) && !defined(MICROVLLM_PORTABLE)
     uint16_t h;
     std::memcpy(&h, p, 2);
-#ifdef __F16C__
     return _cvtsh_ss(h);
+#elif defined(__aarch64__) && !defined(MICROVLLM_PORTABLE)
+    Half h;   // _Float16 or __fp16 there: converted by fcvt
+    std::memcpy(&h, p, 2);
+    return load_half(h);
 #else
-    const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-    uint32_t bits;
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            bits = sign;
-        } else {   // subnormal: normalise
-            int e = -1;
-            uint32_t m = mantissa;
-            do { ++e; m <<= 1; } while (!(m & 0x400));
-            bits = sign | uint32_t(127 - 15 - e) << 23 | (m & 0x3ff) << 13;
-        }
-    } else if (exponent == 31) {
-        bits = sign | 0x7f800000u | mantissa << 13;
-    } else {
-        bits = sign | (exponent + 127 - 15) << 23 | mantissa << 13;
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return half_to_float(h);
 #endif
 }
 
@@ -87,77 +85,97 @@ int64_t row_bytes(int format, int K) {
     return format == Q4_1 ? int64_t(K) / QK * 20 : format == Q8_0 ? int64_t(K) / QK * 34 : K;
 }
 
-#ifdef __AVX512F__
-template <int FORMAT>
-inline void dequantize_block(const uint8_t* block, __m512& lo, __m512& hi) {
-    if (FORMAT == Q4_1) {
-        int32_t scales;
-        std::memcpy(&scales, block, 4);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));           // [d, m, 0, 0]
-        const __m512 d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
-        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
-        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
-    } else if (FORMAT == INT8) {   // the row's scale is applied to the sum instead
-        const __m128i* q = reinterpret_cast<const __m128i*>(block);
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-    } else {   // Q8_0
-        const __m512 d = _mm512_set1_ps(fp16_to_float(block));
-        const __m128i* q = reinterpret_cast<const __m128i*>(block + 2);
-        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
-        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
-    }
+#if MICROVLLM_VEC
+constexpr int LANES = VecF::lanes;
+constexpr int VECTORS = QK / LANES;   // vectors per block: 2 (AVX-512), 4 (AVX2), 8 (NEON)
+
+// A Q4_1 block's d and m (its first 4 bytes, two fp16), each in every lane. With F16C both
+// are converted by one instruction: two scalar conversions (as fp16_to_float does) made the
+// AVX-512 Q4_1 tiles ~12% slower at batch 1.
+inline void load_d_m(const uint8_t* block, VecF& d, VecF& m) {
+#if defined(__F16C__) && (MICROVLLM_VEC == 512 || MICROVLLM_VEC == 256)
+    int32_t both;
+    std::memcpy(&both, block, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(both));   // [d, m, 0, 0]
+#if MICROVLLM_VEC == 512
+    d = {_mm512_broadcastss_ps(dm)}, m = {_mm512_broadcastss_ps(_mm_movehdup_ps(dm))};
+#else
+    d = {_mm256_broadcastss_ps(dm)}, m = {_mm256_broadcastss_ps(_mm_movehdup_ps(dm))};
+#endif
+#else
+    d = VecF::set1(fp16_to_float(block)), m = VecF::set1(fp16_to_float(block + 2));
+#endif
 }
 
+// One block of 32 weights, dequantized a vector at a time: use(v, w) gets vector v, the
+// weights v*LANES .. v*LANES + LANES - 1 of the block, as float32 (INT8: q alone, the
+// row's scale is applied by the caller). The vectors are made and used one by one, so a
+// block costs one register, not VECTORS.
+//
+//   Q4_1  bytes 4..19 = nibbles:  v < VECTORS/2: the low nibbles of bytes 4 + v*LANES ..
+//                                 else:          the high nibbles of the same bytes
+template <int FORMAT, typename Use>
+inline void for_each_vector(const uint8_t* block, Use&& use) {
+    if (FORMAT == Q4_1) {
+        VecF d, m;
+        load_d_m(block, d, m);
+        #pragma GCC unroll 8
+        for (int v = 0; v < VECTORS / 2; ++v) use(v, fma(VecF::load_nibbles<false>(block + 4 + v * LANES), d, m));
+        #pragma GCC unroll 8
+        for (int v = 0; v < VECTORS / 2; ++v)
+            use(VECTORS / 2 + v, fma(VecF::load_nibbles<true>(block + 4 + v * LANES), d, m));
+    } else if (FORMAT == Q8_0) {
+        const VecF d = VecF::set1(fp16_to_float(block));
+        const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+        #pragma GCC unroll 8
+        for (int v = 0; v < VECTORS; ++v) use(v, VecF::load_i8(q + v * LANES) * d);
+    } else {
+        const int8_t* q = reinterpret_cast<const int8_t*>(block);
+        #pragma GCC unroll 8
+        for (int v = 0; v < VECTORS; ++v) use(v, VecF::load_i8(q + v * LANES));
+    }
+}
 #endif
 
 // One row of W (K weights) -> K floats.
 void dequantize_row(int format, const uint8_t* row, float scale, float* out, int K) {
+#if MICROVLLM_VEC
+    auto store = [](float* to) { return [to](int v, VecF w) { w.store(to + v * LANES); }; };
+    if (format == Q4_1) {
+        for (int b = 0; b < K / QK; ++b) for_each_vector<Q4_1>(row + 20 * b, store(out + QK * b));
+    } else if (format == Q8_0) {
+        for (int b = 0; b < K / QK; ++b) for_each_vector<Q8_0>(row + 34 * b, store(out + QK * b));
+    } else {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(row);
+        const VecF s = VecF::set1(scale);
+        int k = 0;
+        for (; k + LANES <= K; k += LANES) (VecF::load_i8(qs + k) * s).store(out + k);
+        for (; k < K; ++k) out[k] = float(qs[k]) * scale;
+    }
+#else
     if (format == Q4_1) {
         for (int b = 0; b < K / QK; ++b, row += 20, out += QK) {
-#ifdef __AVX512F__
-            __m512 lo, hi;
-            dequantize_block<Q4_1>(row, lo, hi);
-            _mm512_storeu_ps(out, lo);
-            _mm512_storeu_ps(out + 16, hi);
-#else
             const float d = fp16_to_float(row), m = fp16_to_float(row + 2);
             const uint8_t* qs = row + 4;
             for (int j = 0; j < 16; ++j) {
                 out[j] = d * float(qs[j] & 0x0f) + m;
                 out[j + 16] = d * float(qs[j] >> 4) + m;
             }
-#endif
         }
     } else if (format == Q8_0) {
         for (int b = 0; b < K / QK; ++b, row += 34, out += QK) {
-#ifdef __AVX512F__
-            __m512 lo, hi;
-            dequantize_block<Q8_0>(row, lo, hi);
-            _mm512_storeu_ps(out, lo);
-            _mm512_storeu_ps(out + 16, hi);
-#else
             const float d = fp16_to_float(row);
             const int8_t* qs = reinterpret_cast<const int8_t*>(row + 2);
             for (int j = 0; j < QK; ++j) out[j] = d * float(qs[j]);
-#endif
         }
     } else {
         const int8_t* qs = reinterpret_cast<const int8_t*>(row);
-        int k = 0;
-#ifdef __AVX512F__
-        const __m512 vs = _mm512_set1_ps(scale);
-        for (; k + 16 <= K; k += 16) {
-            const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + k)));
-            _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(q), vs));
-        }
-#endif
-        for (; k < K; ++k) out[k] = float(qs[k]) * scale;
+        for (int k = 0; k < K; ++k) out[k] = float(qs[k]) * scale;
     }
+#endif
 }
 
-#ifdef __AVX512F__
+#if MICROVLLM_VEC == 512
 // 16 registers -> one: lane i = the sum of register i's 16 lanes (45 instructions, where 16
 // separate reductions take ~160): pairs are interleaved and added, twice, then the four
 // 128-bit quarters are added across registers.
@@ -175,8 +193,9 @@ inline __m512 sum_lanes_16(const __m512 v[16]) {
 }
 #endif
 
-// Without AVX-512: y[0 .. ROWS, 0 .. 4] = x rows . w rows (4 rows of the scratch, K floats
-// each) (+ bias), as plain loops (AVX-512 builds take small_batch_tile and linear_wide).
+#if !MICROVLLM_VEC
+// Portable build: y[0 .. ROWS, 0 .. 4] = x rows . w rows (4 rows of the scratch, K floats
+// each) (+ bias), as plain loops (vector builds take small_batch_tile and linear_wide).
 template <int ROWS>
 void tile(const float* x, const float* w, const float* bias, float* y, int K, int N) {
     for (int r = 0; r < ROWS; ++r)
@@ -186,117 +205,154 @@ void tile(const float* x, const float* w, const float* bias, float* y, int K, in
             y[int64_t(r) * N + c] = sum + (bias ? bias[c] : 0.f);
         }
 }
+#endif
 
-#ifdef __AVX512F__
+#if MICROVLLM_VEC
 // A few rows of x (a decode step at small batch): no scratch. Each block of 4 weight rows
 // is dequantized in registers and used at once, so a weight costs its load, a few
 // instructions to unpack, and ROWS fused multiply-adds (the scratch's store and reload
 // are what the weights would otherwise cost twice at batch 1).
 //
-//   for each block b of 32 inputs:  for c in 0..3:  w_lo, w_hi = dequantize(W[n + c], b)
-//                                                   acc[r][c] += x[r, b] * w  (r < ROWS)
+//   for each block b of 32 inputs:  for c in 0..3:  for v in 0..VECTORS-1:
+//                                       w = dequantize(W[n + c], b, vector v)
+//                                       acc[r][c] += x[r, 32b + LANES v ..] * w   (r < ROWS)
+//   y[r, n + c] = sum of acc[r][c]'s lanes
+//
 // Rows ahead to prefetch: the same block two tiles on. The hardware prefetcher does not run
 // that far ahead of four interleaved rows; without it the embedded model's Q8_0 lm_head at
-// batch 1 took ~2.9 ms instead of ~1.8 (weights from memory; a prefetch past the end is harmless).
+// batch 1 took ~2.9 ms instead of ~1.8 on AVX-512 (weights from memory; a prefetch past the
+// end is harmless). Written once against VecF, this runs as fast as the AVX-512-only tile it
+// replaced (one thread, the four projection shapes, 1 / 4 / 16 rows: Q4_1 0.27 / 0.40 / 1.57
+// ms against 0.29 / 0.41 / 1.61, Q8_0 0.25 / 0.38 / 1.49 against 0.26 / 0.40 / 1.56).
 constexpr int PREFETCH_ROWS = 8;
-template <int FORMAT, int ROWS>
+// Weight rows per tile: 4, or 2 where 4 x ROWS accumulators would crowd out the weight
+// vector and Q4_1's d and m (AVX2's 16 registers at 4 rows of x: 16 accumulators spilled
+// to the stack, 8 fit).
+constexpr int tile_cols(int rows) { return 4 * rows <= VecF::registers * 3 / 4 ? 4 : 2; }
+template <int FORMAT, int ROWS, int COLS = tile_cols(ROWS)>
 void small_batch_tile(const float* x, const uint8_t* w, int64_t stride, const float* scales, const float* bias,
                       float* y, int K, int N) {
     constexpr int bytes = FORMAT == Q4_1 ? 20 : FORMAT == Q8_0 ? 34 : 32;
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    VecF acc[ROWS][COLS];
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < COLS; ++c) acc[r][c] = VecF::zero();
     for (int b = 0; b < K / QK; ++b) {
-        __m512 xs[ROWS][2];
-        for (int r = 0; r < ROWS; ++r) {
-            xs[r][0] = _mm512_loadu_ps(x + int64_t(r) * K + QK * b);
-            xs[r][1] = _mm512_loadu_ps(x + int64_t(r) * K + QK * b + 16);
-        }
-        for (int c = 0; c < 4; ++c) {
-            __m512 lo, hi;
-            _mm_prefetch(reinterpret_cast<const char*>(w + (c + PREFETCH_ROWS) * stride + int64_t(b) * bytes), _MM_HINT_T0);
-            dequantize_block<FORMAT>(w + c * stride + int64_t(b) * bytes, lo, hi);
-            for (int r = 0; r < ROWS; ++r)
-                acc[4 * r + c] = _mm512_fmadd_ps(xs[r][1], hi, _mm512_fmadd_ps(xs[r][0], lo, acc[4 * r + c]));
+        const float* xb = x + QK * b;
+        for (int c = 0; c < COLS; ++c) {
+            const uint8_t* block = w + c * stride + int64_t(b) * bytes;
+            __builtin_prefetch(block + PREFETCH_ROWS * stride);
+            for_each_vector<FORMAT>(block, [&](int v, VecF wv) {
+                for (int r = 0; r < ROWS; ++r)
+                    acc[r][c] = fma(VecF::load(xb + int64_t(r) * K + v * LANES), wv, acc[r][c]);
+            });
         }
     }
+#if MICROVLLM_VEC == 512
+    static_assert(ROWS * COLS <= 16, "sum_lanes_16 takes 16 registers");
+    __m512 all[16];
+    for (int i = 0; i < 16; ++i) all[i] = i < ROWS * COLS ? acc[i / COLS][i % COLS].v : _mm512_setzero_ps();
     alignas(64) float sums[16];
-    _mm512_store_ps(sums, sum_lanes_16(acc));
+    _mm512_store_ps(sums, sum_lanes_16(all));
+#else
+    float sums[ROWS * COLS];
+    for (int i = 0; i < ROWS * COLS; ++i) sums[i] = acc[i / COLS][i % COLS].sum();
+#endif
     for (int r = 0; r < ROWS; ++r)
-        for (int c = 0; c < 4; ++c)
-            y[int64_t(r) * N + c] = sums[4 * r + c] * (scales ? scales[c] : 1.f) + (bias ? bias[c] : 0.f);
+        for (int c = 0; c < COLS; ++c)
+            y[int64_t(r) * N + c] = sums[COLS * r + c] * (scales ? scales[c] : 1.f) + (bias ? bias[c] : 0.f);
 }
 
+constexpr int SMALL_BATCH = 4;   // rows of x the small-batch tiles take at once
 using SmallTile = void (*)(const float*, const uint8_t*, int64_t, const float*, const float*, float*, int, int);
 template <int FORMAT>
 constexpr SmallTile SMALL_TILES[5] = {nullptr, small_batch_tile<FORMAT, 1>, small_batch_tile<FORMAT, 2>,
                                       small_batch_tile<FORMAT, 3>, small_batch_tile<FORMAT, 4>};
-constexpr int SMALL_BATCH = 4;   // rows of x the small-batch tiles take at once
-// Passes of SMALL_BATCH rows before linear_wide takes over: the embedded model's Q4_1
-// projections (weights from memory, 2 threads, AVX-512 without AMX) at 5 rows 11.0 ms in
-// passes against 31.9 wide, at 16 rows 24.9 / 35.9, at 20 rows 31.0 / 33.9, at 32 48.4 / 37.4.
-constexpr int SMALL_BATCH_PASSES = 5;
-#endif
+// Passes of SMALL_BATCH rows before linear_wide takes over. AVX-512: the embedded model's
+// Q4_1 projections (weights from memory, 2 threads, AVX-512 without AMX) at 5 rows 11.0 ms
+// in passes against 31.9 wide, at 16 rows 24.9 / 35.9, at 20 rows 31.0 / 33.9, at 32 48.4 / 37.4.
+// AVX2 (one thread, the four projection shapes once each): Q4_1 at 4 rows 0.59 ms in passes
+// against 1.03 wide, at 8 rows 1.14 / 1.05 (Q8_0 1.06 / 1.17, int8 0.98 / 1.1-1.5), at 12
+// 1.68 / 1.60, at 16 2.24 / 1.67. NEON (not measured) follows AVX2: narrow vectors make
+// the unpacking, repeated per pass, the larger share.
+constexpr int SMALL_BATCH_PASSES = MICROVLLM_VEC == 512 ? 5 : 2;
 
-#ifdef __AVX512F__
-// 5-64 rows of x (a decode step at larger batch): the weights are the broadcast side and
+// More rows of x (a decode step at larger batch): the weights are the broadcast side and
 // x, transposed once per call, the vector side, so that no sum across lanes is needed and
-// a dequantized weight, read once from the scratch, meets 16 rows of x per instruction:
+// a dequantized weight, read once from the scratch, meets LANES rows of x per instruction:
 //
-//   xT[k][0 .. 16·MV]  = x[0 .. M, k] (zero rows up to a multiple of 16)
-//   for n in the tile's NR rows:  acc[n][v] += broadcast(scratch[n][k]) * xT[k][16v .. 16v+16]
+//   xT[chunk][k][0 .. LANES·MV] = x[chunk's rows, k] (zero rows up to a multiple of LANES)
+//   for n in the tile's NR rows:  acc[n][v] += broadcast(scratch[n][k]) * xT[k][LANES v ..]
 //
-// NR x MV accumulators (24 of the 32 registers), MV + NR loads per NR·MV multiply-adds: the
-// same balance as the float32 kernel's 8 x 48 tiles (avx512_linear.cpp).
+// NR x MV accumulators (24 of 32 registers on AVX-512 and NEON, 12 of AVX2's 16), MV + NR
+// loads per NR·MV multiply-adds: the same balance as the float32 kernel's 8 x 48 tiles
+// (avx512_linear.cpp). A chunk is MAX_MV vectors of rows of x (64 rows on AVX-512, 16 on
+// AVX2 and NEON); each group of weight rows is dequantized once and used by every chunk.
 template <int MV, int NR>
 void wide_tile(const float* xT, const float* scratch, int K, float* out) {
-    constexpr int MP = 16 * MV;
-    __m512 acc[NR][MV];
+    constexpr int MP = LANES * MV;
+    VecF acc[NR][MV];
     for (int n = 0; n < NR; ++n)
-        for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_setzero_ps();
+        for (int v = 0; v < MV; ++v) acc[n][v] = VecF::zero();
     for (int k = 0; k < K; ++k) {
-        __m512 a[MV];
-        for (int v = 0; v < MV; ++v) a[v] = _mm512_loadu_ps(xT + int64_t(k) * MP + 16 * v);
+        VecF a[MV];
+        for (int v = 0; v < MV; ++v) a[v] = VecF::load(xT + int64_t(k) * MP + LANES * v);
         for (int n = 0; n < NR; ++n) {
-            const __m512 b = _mm512_set1_ps(scratch[int64_t(n) * K + k]);
-            for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(b, a[v], acc[n][v]);
+            const VecF b = VecF::set1(scratch[int64_t(n) * K + k]);
+            for (int v = 0; v < MV; ++v) acc[n][v] = fma(b, a[v], acc[n][v]);
         }
     }
     for (int n = 0; n < NR; ++n)
-        for (int v = 0; v < MV; ++v) _mm512_storeu_ps(out + n * MP + 16 * v, acc[n][v]);
+        for (int v = 0; v < MV; ++v) acc[n][v].store(out + n * MP + LANES * v);
 }
 
 using WideTile = void (*)(const float*, const float*, int, float*);
 constexpr int WIDE_GROUP = 48;   // weight rows per thread work item (a multiple of every NR below)
-constexpr WideTile WIDE_TILES[5][2] = {{nullptr, nullptr}, {wide_tile<1, 24>, wide_tile<1, 4>},
-                                       {wide_tile<2, 12>, wide_tile<2, 4>}, {wide_tile<3, 8>, wide_tile<3, 4>},
-                                       {wide_tile<4, 6>, wide_tile<4, 4>}};
-constexpr int WIDE_ROWS[5] = {0, 24, 12, 8, 6};
+#if MICROVLLM_VEC == 256   // 16 registers: NR x MV + MV + 1 <= 16
+constexpr int MAX_MV = 2;
+constexpr WideTile WIDE_TILES[MAX_MV + 1][2] = {{nullptr, nullptr}, {wide_tile<1, 12>, wide_tile<1, 4>},
+                                                {wide_tile<2, 6>, wide_tile<2, 4>}};
+constexpr int WIDE_ROWS[MAX_MV + 1] = {0, 12, 6};
+#else                      // 32 registers
+constexpr int MAX_MV = 4;
+constexpr WideTile WIDE_TILES[MAX_MV + 1][2] = {{nullptr, nullptr}, {wide_tile<1, 24>, wide_tile<1, 4>},
+                                                {wide_tile<2, 12>, wide_tile<2, 4>}, {wide_tile<3, 8>, wide_tile<3, 4>},
+                                                {wide_tile<4, 6>, wide_tile<4, 4>}};
+constexpr int WIDE_ROWS[MAX_MV + 1] = {0, 24, 12, 8, 6};
+#endif
+constexpr int CHUNK = LANES * MAX_MV;   // rows of x per chunk
+constexpr int WIDE_OUT = 24 * 16;       // floats of the largest tile's output, NR x LANES·MV
 
 void linear_wide(int format, const float* x, const uint8_t* w, const float* scales, const float* bias,
                  float* y, int M, int N, int K) {
     const int64_t stride = row_bytes(format, K);
-    for (int m0 = 0; m0 < M; m0 += 64) {
-        const int rows_x = M - m0 < 64 ? M - m0 : 64, MV = (rows_x + 15) / 16, MP = 16 * MV;
-        float* xT = thread_buffer<float>(0, int64_t(K) * MP);
+    const int chunks = (M + CHUNK - 1) / CHUNK;
+    float* xT = thread_buffer<float>(0, int64_t(chunks) * K * CHUNK);   // chunk i at i·K·CHUNK
+    for (int i = 0; i < chunks; ++i) {
+        const int m0 = i * CHUNK, rows_x = M - m0 < CHUNK ? M - m0 : CHUNK, MP = LANES * ((rows_x + LANES - 1) / LANES);
+        float* chunk = xT + int64_t(i) * K * CHUNK;
         for (int k = 0; k < K; ++k)
-            for (int r = 0; r < MP; ++r) xT[int64_t(k) * MP + r] = r < rows_x ? x[int64_t(m0 + r) * K + k] : 0.f;
-        const int groups = (N + WIDE_GROUP - 1) / WIDE_GROUP;
-        #pragma omp parallel
-        {
-            float* scratch = thread_buffer<float>(1, int64_t(WIDE_GROUP) * K);
-            alignas(64) float out[24 * 16];
-            #pragma omp for schedule(static)
-            for (int g = 0; g < groups; ++g) {
-                const int n0 = g * WIDE_GROUP, rows = N - n0 < WIDE_GROUP ? N - n0 : WIDE_GROUP;
-                for (int j = 0; j < rows; ++j)
-                    dequantize_row(format, w + (n0 + j) * stride, scales ? scales[n0 + j] : 1.f,
-                                   scratch + int64_t(j) * K, K);
+            for (int r = 0; r < MP; ++r) chunk[int64_t(k) * MP + r] = r < rows_x ? x[int64_t(m0 + r) * K + k] : 0.f;
+    }
+    const int groups = (N + WIDE_GROUP - 1) / WIDE_GROUP;
+    #pragma omp parallel
+    {
+        float* scratch = thread_buffer<float>(1, int64_t(WIDE_GROUP) * K);
+        alignas(64) float out[WIDE_OUT];
+        #pragma omp for schedule(static)
+        for (int g = 0; g < groups; ++g) {
+            const int n0 = g * WIDE_GROUP, rows = N - n0 < WIDE_GROUP ? N - n0 : WIDE_GROUP;
+            for (int j = 0; j < rows; ++j)
+                dequantize_row(format, w + (n0 + j) * stride, scales ? scales[n0 + j] : 1.f,
+                               scratch + int64_t(j) * K, K);
+            for (int i = 0; i < chunks; ++i) {
+                const int m0 = i * CHUNK, rows_x = M - m0 < CHUNK ? M - m0 : CHUNK;
+                const int MV = (rows_x + LANES - 1) / LANES, MP = LANES * MV;
                 int full_tiles = rows / WIDE_ROWS[MV];   // then tiles of 4: rows is a multiple of 4
                 while ((rows - full_tiles * WIDE_ROWS[MV]) % 4) --full_tiles;
                 for (int n = 0, t = 0; n < rows; ++t) {
                     const bool full = t < full_tiles;
                     const int nr = full ? WIDE_ROWS[MV] : 4;
-                    WIDE_TILES[MV][full ? 0 : 1](xT, scratch + int64_t(n) * K, K, out);
+                    WIDE_TILES[MV][full ? 0 : 1](xT + int64_t(i) * K * CHUNK, scratch + int64_t(n) * K, K, out);
                     for (int j = 0; j < nr; ++j)
                         for (int r = 0; r < rows_x; ++r)
                             y[int64_t(m0 + r) * N + n0 + n + j] = out[j * MP + r] + (bias ? bias[n0 + n + j] : 0.f);
@@ -306,40 +362,40 @@ void linear_wide(int format, const float* x, const uint8_t* w, const float* scal
         }
     }
 }
-#endif
-
-using Tile = void (*)(const float*, const float*, const float*, float*, int, int);
-constexpr Tile TILES[5] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>};
+#endif  // MICROVLLM_VEC
 
 void linear(int format, const float* x, const uint8_t* w, const float* scales, const float* bias,
             float* y, int M, int N, int K) {
     const int64_t stride = row_bytes(format, K);
-    const int groups = (N + G - 1) / G;
 #ifdef MICROVLLM_AMX_QUANTIZED
     if (format != INT8 && M > SMALL_BATCH && N % amx_quantized::TILE == 0 && amx_quantized::ready()) {
         amx_quantized::linear(format == Q8_0, x, w, bias, y, M, N, K);   // (K % 32 == 0: whole blocks)
         return;
     }
 #endif
-#ifdef __AVX512F__
+#if MICROVLLM_VEC
     if (M <= SMALL_BATCH_PASSES * SMALL_BATCH && K % QK == 0) {
-        // 4 rows of x per pass: past 4 rows the weights are read once per pass, which still
-        // beats linear_wide's dequantization into the scratch up to ~SMALL_BATCH_PASSES passes.
+        // SMALL_BATCH rows of x per pass: past that the weights are read once per pass, which
+        // still beats linear_wide's dequantization into the scratch up to SMALL_BATCH_PASSES.
         for (int m0 = 0; m0 < M; m0 += SMALL_BATCH) {
             const int rows = M - m0 < SMALL_BATCH ? M - m0 : SMALL_BATCH;
             const SmallTile tile = format == Q4_1 ? SMALL_TILES<Q4_1>[rows]
                                  : format == Q8_0 ? SMALL_TILES<Q8_0>[rows] : SMALL_TILES<INT8>[rows];
             const float* xm = x + int64_t(m0) * K;
             float* ym = y + int64_t(m0) * N;
+            const int cols = tile_cols(rows);
             #pragma omp parallel for schedule(static)
-            for (int n = 0; n < N; n += 4)
+            for (int n = 0; n < N; n += cols)
                 tile(xm, w + n * stride, stride, scales ? scales + n : nullptr, bias ? bias + n : nullptr, ym + n, K, N);
         }
         return;
     }
     linear_wide(format, x, w, scales, bias, y, M, N, K);
-    return;
-#endif
+#else
+    constexpr int G = 16;   // output rows per thread work item
+    using Tile = void (*)(const float*, const float*, const float*, float*, int, int);
+    constexpr Tile TILES[5] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>};
+    const int groups = (N + G - 1) / G;
     #pragma omp parallel
     {
         float* scratch = thread_buffer<float>(1, int64_t(G) * K);
@@ -357,6 +413,7 @@ void linear(int format, const float* x, const uint8_t* w, const float* scales, c
             }
         }
     }
+#endif
 }
 
 }  // namespace

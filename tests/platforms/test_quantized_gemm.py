@@ -1,11 +1,11 @@
 """The quantized linear kernels (``csrc/quantized_linear.cpp``) against the torch
 dequantization (``layers/quantization/``) on fresh random inputs, and their fallback.
 
-Fresh random inputs per test (seeded by the test's name). The plain-loop version a CPU
-without AVX-512 runs is built here too (with AVX-512 switched off) and checked the same way."""
+Fresh random inputs per test (seeded by the test's name). The versions other CPUs run
+(the AVX-512, AVX2 and portable builds: MICROVLLM_CPU_ISA) are built here too and checked
+the same way, each wherever this CPU can run it."""
 
 import ctypes
-import subprocess
 
 import numpy as np
 import pytest
@@ -22,6 +22,7 @@ needs_kernels = pytest.mark.skipif(quantized_gemm.status() is not None,
 ROWS = [1, 3, 4, 5, 17, 32, 64]   # Q4_1, Q8_0 from 5 rows on an AMX CPU: amx_quantized_linear.h
 SHAPES = [(4, 32), (20, 64), (96, 576), (960, 576), (576, 1536)]
 FORMATS = ["Q4_1", "Q8_0", "int8"]
+FORMAT_NUMBERS = quantized_gemm.FORMATS   # quantized_linear.cpp's format argument
 
 
 def quantized_case(request, fmt, n, k):
@@ -62,8 +63,8 @@ def test_kernel_matches_the_torch_dequantization(request, fmt, rows, n, k, bias)
 def test_gguf_blocks_run_on_amx_tiles_where_the_cpu_has_them():
     """So that on such a CPU the Q4_1 and Q8_0 cases above from 5 rows on check
     amx_quantized_linear.h (N a multiple of 16; the others take the AVX-512 paths)."""
-    if not {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= kernels.cpu_flags():
-        pytest.skip("this CPU has no AMX")
+    if not {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= kernels.isa_flags():
+        pytest.skip("this CPU (or MICROVLLM_CPU_ISA) has no AMX")
     assert kernels.load("quantized_linear").quantized_amx_ready() == 1
 
 
@@ -109,28 +110,70 @@ def test_wrong_inputs_are_refused_with_the_reason(request):
         quantized_gemm.quantized_linear(torch.randn(1, 64, dtype=torch.bfloat16), q, "Q4_1", 8)
 
 
-def test_the_plain_loop_version_matches_too(request, tmp_path):
-    """What a CPU without AVX-512 runs: the same file built with AVX-512 off."""
-    compiler = kernels._compiler()
-    flags = [f for f in kernels.COMPILE_FLAGS if not f.startswith(("-march", "-mprefer"))]
-    library = tmp_path / "plain.so"
-    done = subprocess.run([compiler, *flags, "-mno-avx512f", "-shared", str(kernels.CSRC / "quantized_linear.cpp"),
-                           "-o", str(library)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"could not build the plain version: {done.stderr[-300:]}")
-    lib = ctypes.CDLL(str(library))
-    for name, (restype, argtypes) in kernels.signatures().items():
-        if hasattr(lib, name):
-            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
-    for fmt in FORMATS:
-        q, scales, reference = quantized_case(request, fmt, 20, 96)
-        x = torch.randn(5, 96)
-        y = torch.empty(5, 20)
+_target_libraries: dict[str, ctypes.CDLL] = {}
+
+
+def target_library(isa: str, monkeypatch) -> ctypes.CDLL:
+    """quantized_linear.cpp built for ``isa`` (kernels.build), its functions declared from
+    ops.h. Skipped where this CPU cannot run that target; a build that fails fails."""
+    monkeypatch.setenv("MICROVLLM_CPU_ISA", isa)
+    try:
+        kernels.check_target()
+    except kernels.KernelUnavailable as error:
+        if error.expected:
+            pytest.skip(str(error))
+        raise
+    if isa not in _target_libraries:
+        try:
+            path = kernels.build(kernels.CSRC / "quantized_linear.cpp", isa=isa)
+        except kernels.KernelUnavailable as error:
+            pytest.fail(f"quantized_linear.cpp does not build for MICROVLLM_CPU_ISA={isa}: {error}")
+        lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in kernels.signatures().items():
+            if hasattr(lib, name):
+                getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+        _target_libraries[isa] = lib
+    return _target_libraries[isa]
+
+
+TARGET_SHAPES = [(52, 96), (20, 576)]   # N: not a multiple of the wide tiles' 48 rows; K: 3 and 18 blocks
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 33, 70], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_every_target_matches(request, monkeypatch, isa, fmt, rows):
+    """What each MICROVLLM_CPU_ISA target runs (AVX-512, AVX2 and portable builds of the same
+    file, whatever this process loaded): small-batch passes, wide tiles and plain loops.
+    Row counts cross each target's routes: passes of 4 rows (1-20 rows on AVX-512, 1-8 on
+    AVX2), then wide tiles in chunks of 64 (AVX-512) or 16 (AVX2) rows."""
+    lib = target_library(isa, monkeypatch)
+    for n, k in TARGET_SHAPES:
+        q, scales, reference = quantized_case(request, fmt, n, k)
+        g = torch.Generator().manual_seed(seed_for(request.node.name) + k)
+        x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+        y = torch.empty(rows, n)
         if fmt == "int8":
-            lib.int8_linear(x.data_ptr(), q.data_ptr(), scales.data_ptr(), None, y.data_ptr(), 5, 20, 96)
+            lib.int8_linear(x.data_ptr(), q.data_ptr(), scales.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n, k)
         else:
-            getattr(lib, f"{fmt.lower()}_linear")(x.data_ptr(), q.data_ptr(), None, y.data_ptr(), 5, 20, 96)
-        close(y, F.linear(x, reference), 96)
+            getattr(lib, f"{fmt.lower()}_linear")(x.data_ptr(), q.data_ptr(), bias.data_ptr(), y.data_ptr(),
+                                                  rows, n, k)
+        close(y, F.linear(x, reference, bias), k)
+        weight = torch.empty(n, k)
+        lib.dequantize_rows(FORMAT_NUMBERS[fmt], q.data_ptr(), scales.data_ptr() if scales is not None else None,
+                            weight.data_ptr(), n, k)
+        assert torch.allclose(weight, reference, rtol=2.0 ** -23, atol=1e-7)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_every_target_takes_int8_rows_of_any_length(request, monkeypatch, isa):
+    """int8 rows are not blocks: K = 40 leaves 8 weights past the last whole vector."""
+    lib = target_library(isa, monkeypatch)
+    q, scales, reference = quantized_case(request, "int8", 8, 40)
+    for rows in (1, 5, 33):
+        x, y = torch.randn(rows, 40), torch.empty(rows, 8)
+        lib.int8_linear(x.data_ptr(), q.data_ptr(), scales.data_ptr(), None, y.data_ptr(), rows, 8, 40)
+        close(y, F.linear(x, reference), 40)
 
 
 @needs_kernels

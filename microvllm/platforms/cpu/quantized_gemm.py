@@ -1,9 +1,9 @@
 """The CPU platform's version of a quantized ``Linear``: C++ on the stored blocks.
 
     weight (layers/quantization/)   rows per call <= 64             more rows (a prefill)
-    GGUF Q4_1, Q8_0; int8           quantized_linear.cpp: each       dequantize_rows into a
-                                    thread dequantizes 16 rows into  temporary float32 weight,
-                                    L2 and multiplies them there     then F.linear (oneDNN/MKL)
+    GGUF Q4_1, Q8_0; int8           quantized_linear.cpp: a few      dequantize_rows into a
+                                    rows in registers, more through  temporary float32 weight,
+                                    48 dequantized rows in L2        then F.linear (oneDNN/MKL)
     GGUF Q4_1, Q8_0 on an AMX CPU   from 5 rows, amx_quantized_linear.h (the integers on AMX
                                     tiles), up to 256 rows: Q4_1 beats dequantizing + oneDNN
                                     to ~512 rows here
@@ -29,7 +29,12 @@ from microvllm.layers.quantization.int8 import Int8LinearMethod
 from microvllm.platforms.cpu import kernels
 
 FORMATS = {"Q4_1": 0, "Q8_0": 1, "int8": 2}   # quantized_linear.cpp's format numbers
-MAX_FUSED_ROWS = 64    # more rows than this: dequantize, then F.linear
+# More rows than this: dequantize, then F.linear. On AVX2 (-march=x86-64-v3, torch capped
+# to AVX2, one thread, the embedded model's Q4_1 shapes) the kernel leads up to 32 rows
+# (2.9-3.0 ms against 3.2-3.5), ties at 48 (4.2 / 3.9-4.2) and trails at 64 (5.4-5.5 /
+# 4.7-4.8); kept at 64 on every target because the decode fast path, which has no
+# dequantize route, serves batches up to this size too.
+MAX_FUSED_ROWS = 64
 AMX_FUSED_ROWS = 256   # the same for Q4_1 and Q8_0 on AMX tiles
 ROW_GROUP = 4          # the kernel needs N to be a multiple of this
 
