@@ -490,7 +490,7 @@ def bench_prefix(args, model_path: Path, cost: ModelCost) -> None:
 # torch operators by the part of a decode step they belong to; the rest is "other":
 # norms, RoPE, residual adds, views, sampling.
 PROJECTION_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
-                  "microvllm::amx_linear", "microvllm::avx512_linear"}  # C++ kernels: kernels.profiled ranges
+                  "microvllm::amx_linear", "microvllm::vec_linear"}  # C++ kernels: kernels.profiled ranges
 ATTENTION_OPS = {"aten::index_select", "aten::index_copy_", "aten::scaled_dot_product_attention",
                  "microvllm::paged_attention_decode", "microvllm::paged_attention_prefill",
                  "microvllm::write_kv"}

@@ -27,7 +27,7 @@ extern "C" {
 struct Kernels {   // pointers to the very functions the wrappers call (their types: ops.h)
     decltype(&::rms_norm) rms_norm;
     decltype(&::rope) rope;
-    decltype(&::amx_linear) gemm;   // amx_linear or avx512_linear: one signature
+    decltype(&::amx_linear) gemm;   // amx_linear or vec_linear: one signature
     decltype(&::write_kv) write_kv;
     decltype(&::paged_attention_decode) paged_attention_decode;
     decltype(&::silu_and_mul) silu_and_mul;

@@ -23,11 +23,13 @@ void rope(int dtype, const void* x, const void* cos, const void* sin, void* out,
 // activation.cpp: silu(gate) * up over [rows, 2 d] -> [rows, d].
 void silu_and_mul(int dtype, const void* gate_up, void* out, int rows, int d);
 
-// amx_linear.cpp (bfloat16, AMX tiles) and avx512_linear.cpp (float32, AVX-512 panels):
-// y [M, N] = x [M, K] @ W.T (+ bias), W packed by the wrapper. amx_init asks Linux for the tiles.
+// amx_linear.cpp (bfloat16, AMX tiles) and vec_linear.cpp (float32, VecF panels: AVX-512,
+// AVX2 or NEON): y [M, N] = x [M, K] @ W.T (+ bias), W packed by the wrapper. amx_init asks
+// Linux for the tiles; vec_linear_panel is the panel width in columns (0: no vector unit).
 int amx_init();
 void amx_linear(const void* x, const void* packed, const void* bias, void* y, int M, int N, int K);
-void avx512_linear(const void* x, const void* packed, const void* bias, void* y, int M, int N, int K);
+int vec_linear_panel();
+void vec_linear(const void* x, const void* packed, const void* bias, void* y, int M, int N, int K);
 
 // quantized_linear.cpp: y [M, N] = x [M, K] @ W.T (+ bias), float32 x and y, W as stored:
 // GGUF Q4_1 or Q8_0 rows of blocks, or int8 rows with float32 scales; dequantize_rows

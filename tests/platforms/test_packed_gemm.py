@@ -9,9 +9,9 @@ from microvllm.layers.linear import Linear
 from microvllm.platforms.cpu import gemm_kernels
 from microvllm.platforms.cpu.gemm import (
     AMX_MAX_ROWS,
-    AVX512_MAX_ROWS,
     FLOAT32_MAX_ROWS,
     FLOAT32_MIN_ROWS,
+    VEC_MAX_ROWS,
     PackedGemm,
     PackedLinear,
     packing_available,
@@ -35,10 +35,9 @@ def test_matches_f_linear(dtype, rows, bias):
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **TOL[dtype])
     onednn = packing_available() and (dtype == torch.bfloat16
                                       or FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS)
-    avx512 = (dtype == torch.float32 and rows <= AVX512_MAX_ROWS
-              and gemm_kernels.avx512_supports(layer.weight))
+    vec = dtype == torch.float32 and rows <= VEC_MAX_ROWS and gemm_kernels.vec_supports(layer.weight)
     amx = dtype == torch.bfloat16 and rows <= AMX_MAX_ROWS and gemm_kernels.amx_supports(layer.weight)
-    assert chosen == ("avx512" if avx512 else "amx" if amx else "onednn" if onednn else None)
+    assert chosen == ("vec" if vec else "amx" if amx else "onednn" if onednn else None)
 
 
 def test_keeps_leading_dims():

@@ -2,7 +2,8 @@
 backend and a decode fast path, each used only where it builds and applies here.
 
     op / step                 CPU version                              file
-    Linear                    packed GEMM: AVX-512 / AMX / oneDNN      gemm.py, gemm_kernels.py
+    Linear                    packed GEMM: vector panels (AVX-512,     gemm.py, gemm_kernels.py
+                                AVX2, NEON) / AMX tiles / oneDNN
     RMSNorm, ApplyRotaryEmb,  one C++ pass each                        ops.py
       SiluAndMul, Argmax
     attention ("auto")        paged decode + prefill kernels           attention_backend.py

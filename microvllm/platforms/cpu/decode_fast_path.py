@@ -41,7 +41,7 @@ off. (Python calling the same C functions through ctypes spends ~15 us per call 
 arguments; hence a C loop. Notebook 11 measures the step with it on and off.)
 
 It applies to decode-only steps (every request computes one token) of up to
-``AMX_MAX_ROWS`` (bfloat16) or ``AVX512_MAX_ROWS`` (float32) requests, on a CPU whose
+``AMX_MAX_ROWS`` (bfloat16) or ``VEC_MAX_ROWS`` (float32) requests, on a CPU whose
 projections have those kernels (or, for quantized weights, all of one format with a kernel
 in ``quantized_linear.cpp``: GGUF Q4_1 or Q8_0, int8, up to ``MAX_FUSED_ROWS`` requests), with
 the ``cpu`` attention backend, for Llama and Mistral layers (not Qwen3's per-head norms).
@@ -59,11 +59,11 @@ from microvllm.distributed import get_tensor_model_parallel_world_size
 from microvllm.layers.linear import Linear
 from microvllm.platforms.cpu import attention as attention_kernels, kernels, quantized_gemm
 from microvllm.platforms.cpu.attention_backend import CPUAttentionBackend
-from microvllm.platforms.cpu.gemm import AMX_MAX_ROWS, AVX512_MAX_ROWS, PackedGemm, PackedLinear, tensor_version
+from microvllm.platforms.cpu.gemm import AMX_MAX_ROWS, VEC_MAX_ROWS, PackedGemm, PackedLinear, tensor_version
 from microvllm.platforms.cpu.kernels import DTYPE_CODES
 
 # dtype -> (the PackedGemm pack whose kernel runs the projections, most rows it takes)
-GEMM_KERNELS = {torch.bfloat16: ("amx", AMX_MAX_ROWS), torch.float32: ("avx512", AVX512_MAX_ROWS)}
+GEMM_KERNELS = {torch.bfloat16: ("amx", AMX_MAX_ROWS), torch.float32: ("vec", VEC_MAX_ROWS)}
 # Quantized projections (layers/quantization/): weight format -> the C function that runs
 # them, on the weights as stored (float32 activations; its signature is the GEMM's: for int8
 # the "packed weight" is a pair of pointers, the int8 rows and their scales).
@@ -145,7 +145,7 @@ def unsupported_reason(model) -> str | None:
 
 
 def gemm_kind(model) -> str | None:
-    """What runs the layers' projections: a ``PackedGemm`` kind ("amx", "avx512") for float
+    """What runs the layers' projections: a ``PackedGemm`` kind ("amx", "vec") for float
     weights, the C function of a quantized format, or None if the projections mix formats."""
     formats = {quantized_gemm.weight_format(linear) if linear.quant_method is not None else "float"
                for layer in model.layers for linear in _projections(layer)}
@@ -190,7 +190,7 @@ class DecodeFastPath:
             gemm = getattr(kernels.load("quantized_linear"), self.kind)
         else:
             gemm = (kernels.load("amx_linear").amx_linear if self.kind == "amx"
-                    else kernels.load("avx512_linear").avx512_linear)
+                    else kernels.load("vec_linear").vec_linear)
         norm_rope, attention = kernels.load("norm_rope"), kernels.load("paged_attention")
         # The C functions the modules' CPU versions call, as function pointers.
         self.kernels = Kernels(

@@ -17,11 +17,11 @@ Here it uses the oneDNN operators PyTorch's own compiler uses for the same purpo
 own kernels (``gemm_kernels.py``) where the CPU has their instructions. Each call picks
 by dtype and row count (notebook 11 measures why these bounds)::
 
-    rows per call           1-2        3-32       33-64      65-256     >256
-    float32, AVX-512 CPU    AVX-512    AVX-512    AVX-512    oneDNN     F.linear
-    float32 elsewhere       F.linear   oneDNN     oneDNN     oneDNN     F.linear
-    bfloat16, AMX CPU       AMX        AMX        oneDNN     oneDNN     oneDNN
-    bfloat16 elsewhere      oneDNN     oneDNN     oneDNN     oneDNN     oneDNN
+    rows per call                     1-2        3-32       33-64      65-256     >256
+    float32, AVX-512 / AVX2 / NEON    vec        vec        vec        oneDNN     F.linear
+    float32 elsewhere                 F.linear   oneDNN     oneDNN     oneDNN     F.linear
+    bfloat16, AMX CPU                 AMX        AMX        oneDNN     oneDNN     oneDNN
+    bfloat16 elsewhere                oneDNN     oneDNN     oneDNN     oneDNN     oneDNN
 
 A weight's packs are all made at load time: one more copy of the weights, for never
 being slower. On any other device or dtype, with autograd on, or where oneDNN is
@@ -38,11 +38,14 @@ from microvllm.platforms.cpu import gemm_kernels
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # float32 inputs with fewer or more rows than these use F.linear, if not the
-# AVX-512 kernel (see above).
+# vector kernel (see above).
 FLOAT32_MIN_ROWS, FLOAT32_MAX_ROWS = 3, 256
 # Inputs with at most this many rows use our kernels, where they are usable.
 AMX_MAX_ROWS = 32          # bfloat16
-AVX512_MAX_ROWS = 64       # float32
+# float32: the same bound for every vector width. With torch capped to AVX2 as well
+# (MICROVLLM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) the 8-lane
+# kernel still beat oneDNN at every row count from 1 to 64 on three model shapes.
+VEC_MAX_ROWS = 64
 
 
 def packing_available() -> bool:
@@ -57,7 +60,7 @@ _AVAILABLE = packing_available()
 
 class PackedGemm:
     """``y = x @ weight.T (+ bias)`` with ``weight`` packed once, for oneDNN and for our
-    kernel (AMX tiles for bfloat16, AVX-512 panels for float32) where the CPU has it;
+    kernel (AMX tiles for bfloat16, vector panels for float32) where the CPU has it;
     each call uses the pack that suits its row count.
 
     The packs are copies: they are rebuilt whenever the weight changes (another tensor,
@@ -67,7 +70,7 @@ class PackedGemm:
     def __init__(self):
         self._key: tuple | None = None                # identifies the weight the packs are of
         self._kinds: list[str] = []                   # the packs that weight can use here
-        self._packs: dict[str, torch.Tensor] = {}     # "amx" / "avx512" / "onednn" -> pack
+        self._packs: dict[str, torch.Tensor] = {}     # "amx" / "vec" / "onednn" -> pack
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,8 +80,8 @@ class PackedGemm:
         rows = x.reshape(-1, x.shape[-1])
         if kind == "amx":
             out = gemm_kernels.amx_linear(rows, self._pack(weight, kind), bias)
-        elif kind == "avx512":
-            out = gemm_kernels.avx512_linear(rows, self._pack(weight, kind), bias)
+        elif kind == "vec":
+            out = gemm_kernels.vec_linear(rows, self._pack(weight, kind), bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self._pack(weight, kind), bias,
                                                      "none", [], "")
@@ -91,7 +94,7 @@ class PackedGemm:
             self._pack(weight, kind)
 
     def packings(self, weight: torch.Tensor) -> list[str]:
-        """The packs ``weight`` can use here (``"amx"`` or ``"avx512"``, ``"onednn"``)."""
+        """The packs ``weight`` can use here (``"amx"`` or ``"vec"``, ``"onednn"``)."""
         return self._refresh(weight)
 
     def pack(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
@@ -113,8 +116,8 @@ class PackedGemm:
         kinds = self._refresh(weight)
         if "amx" in kinds and rows <= AMX_MAX_ROWS:
             return "amx"
-        if "avx512" in kinds and rows <= AVX512_MAX_ROWS:
-            return "avx512"
+        if "vec" in kinds and rows <= VEC_MAX_ROWS:
+            return "vec"
         if weight.dtype == torch.float32 and not FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS:
             return None
         return "onednn" if "onednn" in kinds else None
@@ -132,22 +135,22 @@ class PackedGemm:
         if kind not in self._packs:
             if kind == "amx":
                 self._packs[kind] = gemm_kernels.amx_pack_weight(weight)
-            elif kind == "avx512":
-                self._packs[kind] = gemm_kernels.avx512_pack_weight(weight)
+            elif kind == "vec":
+                self._packs[kind] = gemm_kernels.vec_pack_weight(weight)
             else:
                 self._packs[kind] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         return self._packs[kind]
 
 
 def _packings(weight: torch.Tensor) -> list[str]:
-    """The packs this weight can use here: ``"amx"`` or ``"avx512"``, and ``"onednn"``."""
+    """The packs this weight can use here: ``"amx"`` or ``"vec"``, and ``"onednn"``."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
         return []
     kinds = []
     if weight.dtype == torch.bfloat16 and gemm_kernels.amx_supports(weight):
         kinds.append("amx")
-    if weight.dtype == torch.float32 and gemm_kernels.avx512_supports(weight):
-        kinds.append("avx512")
+    if weight.dtype == torch.float32 and gemm_kernels.vec_supports(weight):
+        kinds.append("vec")
     if _AVAILABLE:
         kinds.append("onednn")
     return kinds

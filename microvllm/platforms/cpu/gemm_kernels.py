@@ -1,6 +1,7 @@
 """The CPU platform's GEMM kernels for decode-sized projections, and their weight packs.
 
-    avx512_linear.cpp  float32, AVX-512: weights in panels of 48 output columns
+    vec_linear.cpp     float32, one vector source for AVX-512, AVX2 and NEON: weights in
+                       panels of 3 vectors of output columns (48, 24 or 12)
     amx_linear.cpp     bfloat16, Intel AMX tiles: weights in 16 x 32 tiles
 
 Each weight is packed once, at load time (``*_pack_weight``); every call then streams
@@ -10,13 +11,15 @@ the pack straight through the vector or matrix units (see each .cpp file's heade
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
+from microvllm import envs
 from microvllm.platforms.cpu import kernels
 
 TILE_N, TILE_K = 16, 32          # an AMX weight tile: 16 output columns x 32 inputs
-PANEL = 48      # AVX-512: output columns per panel (three 16-float vectors)
-VECTOR = 16     # AVX-512: N must be a multiple of this: the last panel is 16 or 32 columns
+PANEL_VECTORS = 3   # vec_linear: a panel is 3 vectors of output columns (vec_linear_panel())
 
 
 def amx_status() -> str | None:
@@ -24,9 +27,26 @@ def amx_status() -> str | None:
     return kernels.status("amx_linear")
 
 
-def avx512_status() -> str | None:
-    """None if the AVX-512 kernel is usable on this machine, else the reason it is not."""
-    return kernels.status("avx512_linear")
+def vec_status() -> str | None:
+    """None if the float32 vector kernel is usable here, else the reason it is not (a
+    portable build compiles it to stubs: no vector unit, no kernel)."""
+    reason = kernels.status("vec_linear")
+    if reason is None and vec_panel() == 0:
+        return (f"this build has no vector unit (MICROVLLM_CPU_ISA={envs.cpu_isa()}): "
+                f"{kernels.LIBRARIES['vec_linear'].otherwise}")
+    return reason
+
+
+@lru_cache(maxsize=None)
+def vec_panel() -> int:
+    """The vector kernel's panel width in output columns, as this build compiled it: 3
+    vectors of 16 (AVX-512), 8 (AVX2) or 4 (NEON) floats; 0 when it has no vector unit."""
+    return kernels.load("vec_linear").vec_linear_panel()
+
+
+def vec_lanes() -> int:
+    """Floats per vector in the vector kernel's build (N must be a multiple of it)."""
+    return vec_panel() // PANEL_VECTORS
 
 
 def amx_supports(weight: torch.Tensor) -> bool:
@@ -76,40 +96,43 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return out
 
 
-def avx512_supports(weight: torch.Tensor) -> bool:
-    """Whether this weight can go through the kernel here: float32 on a CPU, N a
-    multiple of 16, and the kernel usable on this machine."""
+def vec_supports(weight: torch.Tensor) -> bool:
+    """Whether this weight can go through the vector kernel here: float32 on a CPU, N a
+    multiple of the vector's lanes, and the kernel usable on this machine."""
     return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[0] % VECTOR == 0 and avx512_status() is None)
+            and vec_status() is None and weight.shape[0] % vec_lanes() == 0)
 
 
-def avx512_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def vec_pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``W [N, K]`` -> a ``[N, K]`` tensor holding W's elements in panel order: panels of
-    48 output columns one after another, each k-major (the last one 16 or 32 wide)::
+    P = ``vec_panel()`` output columns one after another, each k-major (the last one
+    N % P wide: one or two vectors)::
 
-        flat packed[48·K·p + w_p·k + j] = W[48·p + j, k]      w_p: panel p's width
+        flat packed[P·K·p + w_p·k + j] = W[P·p + j, k]      w_p: panel p's width
     """
     n, k = weight.shape
-    if not avx512_supports(weight):
-        raise ValueError(f"cannot pack a {weight.dtype} [{n}, {k}] weight for the AVX-512 "
-                         f"kernel: it needs float32, N % {VECTOR} == 0 and an AVX-512 CPU "
-                         f"({avx512_status() or 'this one has it'})")
-    full = n // PANEL * PANEL
+    if not vec_supports(weight):
+        lanes = vec_lanes() if vec_status() is None else "the vector's lanes"
+        raise ValueError(f"cannot pack a {weight.dtype} [{n}, {k}] weight for the vector kernel: "
+                         f"it needs float32, N % {lanes} == 0 and a vector unit "
+                         f"({vec_status() or 'this build has one'})")
+    panel = vec_panel()
+    full = n // panel * panel
     w = weight.detach()
-    panels = [w[:full].reshape(n // PANEL, PANEL, k).transpose(1, 2).reshape(-1)]
+    panels = [w[:full].reshape(n // panel, panel, k).transpose(1, 2).reshape(-1)]
     if full < n:
         panels.append(w[full:].t().reshape(-1))
     return torch.cat(panels).view(n, k)
 
 
-def avx512_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ W.T (+ bias)`` in float32, with ``packed = avx512_pack_weight(W)``."""
+def vec_linear(x: torch.Tensor, packed: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` in float32, with ``packed = vec_pack_weight(W)``."""
     n, k = packed.shape
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be float32 [M, {k}], got {x.dtype} {list(x.shape)}")
-    if packed.dtype != torch.float32 or n % VECTOR:
-        raise ValueError("packed must come from avx512_pack_weight")
+    if packed.dtype != torch.float32 or vec_status() is not None or n % vec_lanes():
+        raise ValueError("packed must come from vec_pack_weight")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
         raise ValueError(f"bias must be float32 [{n}], got {bias.dtype} {list(bias.shape)}")
     x = x.contiguous()
@@ -118,8 +141,8 @@ def avx512_linear(x: torch.Tensor, packed: torch.Tensor,
             raise ValueError(f"{name} must be a contiguous CPU tensor")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0]:
-        with kernels.profiled("microvllm::avx512_linear"):
-            kernels.load("avx512_linear").avx512_linear(x.data_ptr(), packed.data_ptr(),
-                                        bias.data_ptr() if bias is not None else None,
-                                        out.data_ptr(), x.shape[0], n, k)
+        with kernels.profiled("microvllm::vec_linear"):
+            kernels.load("vec_linear").vec_linear(x.data_ptr(), packed.data_ptr(),
+                                                  bias.data_ptr() if bias is not None else None,
+                                                  out.data_ptr(), x.shape[0], n, k)
     return out

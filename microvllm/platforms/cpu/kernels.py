@@ -189,8 +189,7 @@ LIBRARIES = {
     "argmax": Library("greedy sampling runs torch.argmax"),
     "paged_attention": Library("attention runs the torch backend and the decode fast path is off"),
     "prefill_attention": Library("prefill attention runs torch's SDPA"),
-    "avx512_linear": Library("float32 projections use oneDNN and MKL, and the float32 decode fast path is off",
-                             needs=("avx512f",)),
+    "vec_linear": Library("float32 projections use oneDNN and MKL, and the float32 decode fast path is off"),
     "amx_linear": Library("bfloat16 projections use oneDNN instead",
                           needs=("amx_tile", "amx_bf16", "avx512_bf16"), init="amx_init",
                           init_error="Linux refused this process the AMX tile registers "
