@@ -86,17 +86,26 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
     rows = []
     for name in kernels.LIBRARIES:
         reason = kernels.status(name)
-        rows.append((name, "built" if reason is None else "not used: " + reason.splitlines()[0]))
+        built = "built"
+        if name == "vec_linear" and reason is None:
+            reason = gemm_kernels.vec_status()   # built, but a portable build has no vector unit
+            built = f"built: {gemm_kernels.vec_lanes()}-lane vectors, panels of {gemm_kernels.vec_panel()} columns"
+        rows.append((name, built if reason is None else "not used: " + reason.splitlines()[0]))
     sections.append(("kernels", rows))
 
     ok = {name: kernels.status(name) is None for name in kernels.LIBRARIES}
     vec = gemm_kernels.vec_status() is None
     quantized = quantized_gemm.status() is None
     layer_loop = all(ok[n] for n in ("norm_rope", "activation", "paged_attention", "decode_layers"))
-    f32 = (f"rows 1-{gemm.VEC_MAX_ROWS}: vec_linear; " if vec else "") + \
-        (f"up to {gemm.FLOAT32_MAX_ROWS}: oneDNN; more: F.linear" if gemm.packing_available() else "F.linear")
+    onednn = gemm.packing_available()
+    if vec:
+        f32 = f"rows 1-{gemm.VEC_MAX_ROWS}: vec_linear; " + (
+            f"to {gemm.FLOAT32_MAX_ROWS}: oneDNN; more: F.linear" if onednn else "more: F.linear")
+    else:
+        f32 = (f"rows {gemm.FLOAT32_MIN_ROWS}-{gemm.FLOAT32_MAX_ROWS}: oneDNN; others: F.linear" if onednn
+               else "F.linear")
     bf16 = (f"rows 1-{gemm.AMX_MAX_ROWS}: AMX; " if ok["amx_linear"] else "") + \
-        ("oneDNN" if gemm.packing_available() else "F.linear")
+        ("oneDNN" if onednn else "F.linear")
     routes = [
         ("RMSNorm, RoPE", "C++ (norm_rope)" if ok["norm_rope"] else "torch"),
         ("SiLU and mul", "C++ (activation)" if ok["activation"] else "torch"),

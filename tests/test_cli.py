@@ -29,12 +29,13 @@ def run(capsys, *argv):
 def test_help_lists_user_commands_only(capsys):
     status, out, _ = run(capsys, "--help")
     assert status == 0
-    assert "{generate,bench,serve}" in out and "course" not in out.split("positional arguments")[1]
+    assert "{generate,bench,serve,collect-env}" in out and "course" not in out.split("positional arguments")[1]
 
 
 @pytest.mark.parametrize("argv, words", [
     (["generate", "--help"], ["--max-tokens", "--max-num-seqs", "--enable-prefix-caching"]),
-    (["bench", "--help"], ["throughput", "serve", "attention"]),
+    (["bench", "--help"], ["throughput", "serve", "attention", "targets"]),
+    (["bench", "targets", "--help"], ["--targets", "--batches", "--repeat"]),
     (["bench", "serve", "--help"], ["--request-rate", "--num-prompts", "--output-json"]),
     (["serve", "--help"], ["--host", "--port", "--max-num-seqs"]),
     (["bench", "throughput", "--help"], ["--num-prompts", "--input-len", "--output-len", "--output-json"]),

@@ -37,7 +37,7 @@ LAYERS = [
     {"engine"},
     {"llm"},
     {"entrypoints"},                                               # the OpenAI server over AsyncLLM
-    {"viz", "checks", "course", "bench", "cli", "__main__", ""},   # "": the package's __init__
+    {"viz", "checks", "course", "bench", "cli", "collect_env", "__main__", ""},   # "": the package's __init__
 ]
 
 
