@@ -20,6 +20,7 @@ by dtype and row count (notebook 11 measures why these bounds)::
     rows per call                     1-2        3-32       33-64      65-256     >256
     float32, AVX-512 / AVX2 / NEON    vec        vec        vec        oneDNN     F.linear
     float32 elsewhere                 F.linear   oneDNN     oneDNN     oneDNN     F.linear
+    float32, x86 torch below AVX2     F.linear   F.linear   F.linear   F.linear   F.linear
     bfloat16, AMX CPU                 AMX        AMX        oneDNN     oneDNN     oneDNN
     bfloat16 elsewhere                oneDNN     oneDNN     oneDNN     oneDNN     oneDNN
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from microvllm.platforms.cpu import gemm_kernels
+from microvllm.platforms.cpu import gemm_kernels, kernels
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # float32 inputs with fewer or more rows than these use F.linear, if not the
@@ -56,6 +57,17 @@ def packing_available() -> bool:
 
 
 _AVAILABLE = packing_available()
+
+
+def float32_onednn_pays() -> bool:
+    """Whether oneDNN's packed float32 GEMM is used at all here. The bounds above were
+    measured with torch at AVX2 or better; on x86 with torch's kernels below AVX2 (a CPU
+    without it, or ATEN_CPU_CAPABILITY=default) MKL's own F.linear was the faster one:
+    the embedded model's float32 decode at batch 32, with ATen, oneDNN and MKL capped to
+    SSE4 (``bench targets``' portable target), 168-176 tok/s through F.linear against 158
+    through oneDNN's pack."""
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
+    return not (kernels.machine() == "x86_64" and capability == "DEFAULT")
 
 
 class PackedGemm:
@@ -151,7 +163,7 @@ def _packings(weight: torch.Tensor) -> list[str]:
         kinds.append("amx")
     if weight.dtype == torch.float32 and gemm_kernels.vec_supports(weight):
         kinds.append("vec")
-    if _AVAILABLE:
+    if _AVAILABLE and (weight.dtype != torch.float32 or float32_onednn_pays()):
         kinds.append("onednn")
     return kinds
 
