@@ -141,8 +141,13 @@ def bench(args) -> dict:
         f32 = tok_s[target, "f32"][b1] / tok_s[target, "f32 eager"][b1]
         worst = min(tok_s[target, w][b] / tok_s[target, f"{w} eager"][b] for w in ("f32", "Q4_1") for b in args.batches)
         checks[target] = {"q4_1_over_f32": q4, "f32_over_eager": f32, "worst_over_eager": worst}
-        print(f"  {target:<9} batch {b1}: Q4_1 / f32 {q4:.2f}x (wanted >= 2), f32 / eager {f32:.2f}x "
-              f"(wanted >= 1.3); default / eager, worst of both weights and every batch {worst:.2f}x (wanted >= 1)")
+        if TARGETS[target].get("MICROVLLM_CPU_ISA") == "portable":   # no vector kernels: only "no slower"
+            print(f"  {target:<9} batch {b1}: Q4_1 / f32 {q4:.2f}x, f32 / eager {f32:.2f}x; default / eager, "
+                  f"worst of both weights and every batch {worst:.2f}x (wanted >= 1)")
+        else:
+            print(f"  {target:<9} batch {b1}: Q4_1 / f32 {q4:.2f}x (wanted >= 2), f32 / eager {f32:.2f}x "
+                  f"(wanted >= 1.3); default / eager, worst of both weights and every batch {worst:.2f}x "
+                  "(wanted >= 1)")
     return checks
 
 
