@@ -56,16 +56,17 @@ def test_x86_targets_are_refused_on_arm64():
     assert kernels.target_flags("portable", "aarch64") == [["-DMICROVLLM_PORTABLE"]]
 
 
-def test_no_compiler_is_one_warning_on_stderr_and_the_engine_still_runs(tmp_path):
+def test_no_compiler_is_one_warning_on_stderr_and_the_engine_still_runs():
     """``CXX=/bin/false``: every library fails the same way, said once (with what it
-    costs); the engine runs on torch ops and generates."""
+    costs); the engine runs on torch ops and generates. (The shared cache is safe to use:
+    a compiler that cannot build an empty file writes nothing there.)"""
     script = """
 from microvllm import LLM, SamplingParams
 llm = LLM(max_num_seqs=2, num_kv_blocks=16)
 out = llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0.0))
 print("ok", len(out[0].outputs[0].token_ids))
 """
-    done = run(script, CXX="/bin/false", MICROVLLM_CACHE=str(tmp_path))
+    done = run(script, CXX="/bin/false")
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["ok", "2"], done.stderr[-2000:]
     warnings = [line for line in done.stderr.splitlines() if "microvllm warning" in line]
     assert len(warnings) == 1, done.stderr[-3000:]
@@ -112,3 +113,20 @@ def test_collect_env_names_the_target_each_kernel_and_the_routes():
     for name in kernels.LIBRARIES:
         assert name in out
     assert "decode fast path" in out and "Linear, float32" in out
+
+
+def test_a_compiler_without_openmp_builds_single_threaded_and_says_so_once(tmp_path):
+    """Apple clang rejects -fopenmp: every library then builds without it (one thread),
+    and that is one warning, not one per library."""
+    compiler = tmp_path / "c++-without-openmp"
+    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && '
+                        '{ echo "c++: error: unsupported option \'-fopenmp\'" >&2; exit 1; }; done\nexec g++ "$@"\n')
+    compiler.chmod(0o755)
+    script = """
+from microvllm.platforms.cpu import kernels
+print([kernels.status(name) for name in ("norm_rope", "activation")])
+"""
+    done = run(script, CXX=str(compiler), MICROVLLM_CACHE=str(tmp_path / "cache"))
+    assert done.returncode == 0 and done.stdout.strip() == "[None, None]", done.stdout + done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "microvllm warning" in line]
+    assert len(warnings) == 1 and "without OpenMP" in warnings[0] and "-fopenmp" in warnings[0], done.stderr

@@ -211,6 +211,7 @@ class KernelUnavailable(RuntimeError):
     def __init__(self, message: str, expected: bool = False):
         super().__init__(message)
         self.expected = expected
+        self.compiler_error = message.splitlines()[0] if message else ""   # the compiler's first error line
 
 
 @lru_cache(maxsize=None)
@@ -253,16 +254,17 @@ def status(name: str) -> str | None:
 _warned: set[str] = set()
 
 
-def warn_fallback(name: str, reason: str) -> None:
-    """Say on stderr, once per reason, that kernel ``name`` fell back: why (the reason's
-    first line: the compiler's first error) and what runs instead."""
+def warn_fallback(name: str, reason: str, what: str | None = None) -> None:
+    """Say on stderr, once per reason, that kernel ``name`` fell back: ``what`` runs
+    instead (default: the library's ``otherwise``) and why (the reason's first line: the
+    compiler's first error)."""
     first = next((line.strip() for line in reason.splitlines() if line.strip()), "no reason given")
     if first in _warned:
         return
     _warned.add(first)
     if reason.startswith(_NO_COMPILER):
         what = f"no C++ kernel can be built, so the engine runs on torch ops ({WITHOUT_KERNELS})"
-    else:
+    elif what is None:
         what = f"the {name} kernel is not used: {LIBRARIES[name].otherwise}"
     # Straight to stderr, not through logging: the package's logger has no handler
     # unless the CLI set one up, and a notebook must show this too.
@@ -336,8 +338,10 @@ def build(source: Path, isa: str | None = None) -> Path:
         else:
             failed.write_text(str(first_error))
             raise first_error
-        if not openmp_compile:
-            warn_fallback(source.stem, f"built without OpenMP (one thread per kernel): {first_error}")
+        if not openmp_compile:   # one warning for all the libraries: the compiler's error is the same
+            warn_fallback(source.stem, first_error.compiler_error,
+                          "the kernels are built without OpenMP, so each runs on one thread (install "
+                          "libomp, or a compiler with OpenMP)")
         os.replace(lib, target)
     return target
 
@@ -399,8 +403,10 @@ def _compile(compiler: str, source: Path, obj: Path, lib: Path, compile_flags: l
             errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
             first = errors[0].strip() if errors else (done.stderr.strip().splitlines() or [
                 f"{compiler} exited with status {done.returncode} and printed nothing"])[0]
-            raise KernelUnavailable(f"compiling {source.name} failed: {first}\n  {' '.join(command)}\n"
-                                    f"{done.stderr.strip()[-2000:]}")
+            error = KernelUnavailable(f"compiling {source.name} failed: {first}\n  {' '.join(command)}\n"
+                                      f"{done.stderr.strip()[-2000:]}")
+            error.compiler_error = first
+            raise error
 
 
 def profiled(name: str):
