@@ -5,7 +5,11 @@ Three kinds of check, from exact to statistical:
     residual_probs     a hand-worked 4-token example, p == q, a batch; each row sums to 1
     exact cases        greedy rows (one-hot targets, uniform 0): the argmax walk, the bonus
                        token, K = 0 rows and padding; then chosen uniforms that decide each
-                       draft, so that min(1, p/q) is told apart from anything else
+                       draft, so that min(1, p/q) is told apart from anything else; then the
+                       token after a rejection, with and without draft_probs (argmax sampling
+                       shows which distribution it came from)
+    batched            the number of torch operations may not grow with B or K (no Python
+                       loop over rows or drafts)
     distribution       40,000 rows drawn from fixed seeds: the first, second and bonus tokens
                        must follow the target's distributions (a chi-square test per token)
 
@@ -42,6 +46,21 @@ HINT_BONUS = ("when all num_draft_tokens[b] drafts are accepted, the row's next 
               "drawn from target_probs[b, num_draft_tokens[b]]")
 HINT_RESIDUAL = ("at the first rejected draft, draw the replacement from residual_probs(p, q) at that "
                  "position (for draft_probs None, q is one_hot(d)), not from p itself")
+HINT_FROM_P = ("the replacement after a rejection was drawn from p, not from the residual: draw it from "
+               "residual_probs(p_j, q_j) at the rejected position j. The residual max(0, p - q) is 0 wherever the "
+               "drafter over-rates a token (p(d) < q(d)), so a rejected draft there can never come back")
+HINT_NGRAM_RESIDUAL = ("with draft_probs None (n-gram drafts), q is one-hot at the draft, so the residual "
+                       "max(0, p - one_hot(d)) is p with the rejected draft removed: the replacement must never be "
+                       "the draft just rejected. A q of zeros (or drawing from p) keeps it")
+HINT_SHIFTED = ("draft j is checked against target_probs[b, j], the distribution computed at the position "
+                "before it (p_j predicts the token after t, d1, ..., d_(j-1)): not target_probs[b, j + 1], which "
+                "predicts the token after d_j")
+HINT_PADDING = ("row b's drafts are draft_token_ids[b, :num_draft_tokens[b]] only: the columns after them are "
+                "padding, may hold any id (even one the target likes), and are never accepted; is every "
+                "acceptance limited to positions < num_draft_tokens[b]?")
+HINT_GREEDY_Q = ("a greedy row keeps a draft only when it is the target's argmax (p is one-hot there); the "
+                 "drafter's q enters only through uniform * q(d) < p(d), which with uniform 0 is 0 < p(d). "
+                 "The argmax of q says nothing about what the target wants")
 
 
 def _fmt(values) -> list[float]:
@@ -49,13 +68,16 @@ def _fmt(values) -> list[float]:
 
 
 def reference_row(drafts: list[int], p: torch.Tensor, q: torch.Tensor | None, uniform: list[float],
-                  sample_row) -> list[int]:
+                  sample_row, accept_p: torch.Tensor | None = None) -> list[int]:
     """One row, walked draft by draft: the reference ``rejection_sample`` is compared with.
-    ``p``: [n + 1, V], ``q``: [n, V] or None, ``sample_row`` draws from a [V] distribution."""
+    ``p``: [n + 1, V], ``q``: [n, V] or None, ``sample_row`` draws from a [V] distribution.
+    ``accept_p`` (default ``p``) is what the acceptance test reads: the checks pass p shifted
+    by one position to recognize that bug."""
+    accept_p = p if accept_p is None else accept_p
     out = []
     for j, d in enumerate(drafts):
         q_dist = torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p.dtype) if q is None else q[j]
-        if uniform[j] * q_dist[d] < p[j, d]:
+        if uniform[j] * q_dist[d] < accept_p[j, d]:
             out.append(d)
             continue
         residual = (p[j] - q_dist).clamp(min=0)
@@ -115,9 +137,15 @@ def _call(rejection_sample, drafts, num_drafts, target_probs, draft_probs, unifo
     return out
 
 
-def _greedy_hint(row_drafts: list[int], expected: list[int], got: list[int]) -> str:
+def _greedy_hint(row_drafts: list[int], expected: list[int], got: list[int], p: torch.Tensor) -> str:
     n = len(row_drafts)
     num_kept = len([t for t in expected if t != PLACEHOLDER])
+    if len([t for t in got if t != PLACEHOLDER]) > n + 1:
+        return HINT_PADDING
+    shifted = reference_row(row_drafts, p, None, [0.0] * n, lambda d: int(d.argmax()),
+                            accept_p=torch.cat([p[1:], p[-1:]]))
+    if got == shifted + [PLACEHOLDER] * (len(got) - len(shifted)):
+        return HINT_SHIFTED
     if num_kept == n + 1 and got == row_drafts + [PLACEHOLDER] * (len(got) - n):
         return HINT_BONUS
     if num_kept <= n and got[:n] == row_drafts:
@@ -189,7 +217,9 @@ def check_rejection_sampler(rejection_sample, residual_probs, *, max_examples: i
                 ([5, 2, 7], 3, [5, 3, 8, 8]),     # the second is not the argmax: [5, 3]
                 ([4, 4, 4], 3, [6, 4, 4, 4]),     # the first is rejected: [6]
                 ([-1, -1, -1], 0, [9, 0, 0, 0]),  # no drafts: one ordinary token
-                ([1, 1, -1], 2, [1, 1, 9, 3])]    # 2 drafts, both right: the bonus is position 2's
+                ([1, 1, -1], 2, [1, 1, 9, 3]),    # 2 drafts, both right: the bonus is position 2's
+                ([3, 7, 7], 1, [3, 7, 7, 2])]     # 1 draft; the padding (7, 7) is what the target
+                #                                   would say, yet it is not a draft: [3, 7]
         drafts = torch.tensor([r[0] for r in rows])
         num = torch.tensor([r[1] for r in rows])
         target = _one_hot_rows([r[2] for r in rows], vocab)
@@ -200,20 +230,26 @@ def check_rejection_sampler(rejection_sample, residual_probs, *, max_examples: i
             if got[b].tolist() != expected:
                 raise CheckFailure(f"greedy row {b}: drafts {row_drafts[:n]}, the target's argmax at each position "
                                    f"{argmax[:n + 1]}", input="one-hot target_probs, uniform 0, draft_probs None "
-                                   "(5 rows, K = 3)", expected=expected, got=got[b].tolist(),
-                                   hint=_greedy_hint(row_drafts[:n], expected, got[b].tolist()))
+                                   f"({len(rows)} rows, K = 3)", expected=expected, got=got[b].tolist(),
+                                   hint=_greedy_hint(row_drafts[:n], expected, got[b].tolist(), target[b]))
 
     def greedy_with_draft_probs():
-        # A greedy row with a drafter that samples: q(d) < 1, still accepted exactly at the argmax.
-        target = _one_hot_rows([[3, 0, 2]], 4)
-        draft_probs = torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]])
-        got = _call(rejection_sample, torch.tensor([[3, 1]]), torch.tensor([2]), target, draft_probs,
-                    torch.zeros(1, 2), _Sampler())
-        expect(got[0].tolist() == [3, 0, -1], "greedy row with draft_probs: drafts [3, 1], argmax [3, 0, 2]",
+        # Greedy rows with a drafter that samples: q(d) < 1, still accepted exactly at the argmax.
+        # Row 1's draft is the drafter's favourite (argmax of q) but not the target's.
+        target = _one_hot_rows([[3, 0, 2], [1, 0, 0]], 4)
+        draft_probs = torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]],
+                                    [[0.1, 0.1, 0.7, 0.1], [0.25, 0.25, 0.25, 0.25]]])
+        got = _call(rejection_sample, torch.tensor([[3, 1], [2, 0]]), torch.tensor([2, 2]), target, draft_probs,
+                    torch.zeros(2, 2), _Sampler())
+        expect(got[0].tolist() == [3, 0, -1], "greedy row 0 with draft_probs: drafts [3, 1], argmax [3, 0, 2]",
                input="q(3) = 0.4 at position 0, q(1) = 0.1 at position 1; uniform 0",
                expected=[3, 0, -1], got=got[0].tolist(),
                hint="the residual of a one-hot p at its argmax a is one-hot at a (p - q is positive only there): "
                     "the replacement is the argmax. " + HINT_RULE)
+        expect(got[1].tolist() == [1, -1, -1], "greedy row 1 with draft_probs: draft 2 is the drafter's argmax "
+               "(q = [0.1, 0.1, 0.7, 0.1]) but the target's argmax is 1",
+               input="uniform 0, p one-hot at 1", expected=[1, -1, -1], got=got[1].tolist(),
+               hint=HINT_GREEDY_Q if got[1, 0] == 2 else HINT_RULE)
 
     def chosen_uniforms():
         # One draft per row; the uniform decides: accepted iff uniform * q(d) < p(d).
@@ -235,6 +271,13 @@ def check_rejection_sampler(rejection_sample, residual_probs, *, max_examples: i
                     dtype=torch.long), target, draft_probs, uniform, _Sampler())
         for b, (p_d, q_d, u, accept) in enumerate(cases):
             kept = int(got[b, 0]) == 0
+            if kept and not accept and got[b].tolist() == [0, PLACEHOLDER]:
+                raise CheckFailure(
+                    f"draft 0 with p(d) = {p_d}, q(d) = {q_d} and uniform {u} was rejected (one token, no bonus), "
+                    "but the token that replaced it is the rejected draft itself",
+                    input=f"row {b} of 5, one draft each, draft_probs given; sample = argmax",
+                    expected=f"a token other than 0: the residual max(0, p - q) is 0 at token 0 ({p_d} < {q_d})",
+                    got=got[b].tolist(), hint=HINT_FROM_P)
             if kept != accept:
                 raise CheckFailure(
                     f"draft 0 with p(d) = {p_d}, q(d) = {q_d} and uniform {u} must be "
@@ -246,6 +289,62 @@ def check_rejection_sampler(rejection_sample, residual_probs, *, max_examples: i
                    f"row {b}: " + ("the draft was accepted, so the bonus token must follow it" if accept else
                                    "the draft was rejected: one replacement token, then -1"),
                    got=got[b].tolist(), hint=HINT_BONUS if accept else HINT_RESIDUAL)
+
+    def after_a_rejection(with_q: bool):
+        # Each row rejects its one draft; sample = argmax shows which distribution was drawn from.
+        # Row 0: p = [0.35, 0.3, 0.25, 0.1], draft 0. With q = [0.6, 0.1, 0.1, 0.2] the residual is
+        # max(0, p - q) = [0, 0.2, 0.15, 0] -> argmax 1, while p's argmax is the rejected draft 0.
+        # Token-only (q one-hot at 0): the residual is p without token 0 -> argmax 1, again not 0.
+        p = torch.tensor([[0.35, 0.3, 0.25, 0.1], [0.25, 0.25, 0.25, 0.25]])
+        q = torch.tensor([[[0.6, 0.1, 0.1, 0.2]]]) if with_q else None
+        uniform = torch.tensor([[0.99]])          # 0.99 * q(0) > p(0): rejected
+        got = _call(rejection_sample, torch.tensor([[0]]), torch.tensor([1]), p.unsqueeze(0), q, uniform,
+                    _Sampler())
+        if got[0].tolist() == [1, PLACEHOLDER]:
+            return
+        came_back = int(got[0, 0]) == 0 and int(got[0, 1]) == PLACEHOLDER
+        raise CheckFailure(
+            "the token after a rejected draft must come from the residual",
+            input=("p = [0.35, 0.3, 0.25, 0.1], draft 0 with " + ("q = [0.6, 0.1, 0.1, 0.2]" if with_q else
+                   "draft_probs None (q one-hot at 0)") + ", uniform 0.99 (rejected); sample = argmax"),
+            expected="[1, -1]: 1 is the residual's argmax (" + ("max(0, p - q))" if with_q else "p without the draft)"),
+            got=got[0].tolist(),
+            hint=(HINT_FROM_P if with_q else HINT_NGRAM_RESIDUAL) if came_back else
+            HINT_RULE + "; on a rejection, " + HINT_RESIDUAL)
+
+    def batched():
+        from torch.overrides import TorchFunctionMode
+
+        class CountOps(TorchFunctionMode):
+            def __init__(self):
+                super().__init__()
+                self.count = 0
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                self.count += 1
+                return func(*args, **(kwargs or {}))
+
+        def ops(batch: int, k: int) -> int:
+            gen = torch.Generator().manual_seed(batch * 10 + k)
+            target = torch.rand(batch, k + 1, 6, generator=gen).softmax(-1)
+            q = torch.rand(batch, k, 6, generator=gen).softmax(-1)
+            drafts = torch.randint(0, 6, (batch, k), generator=gen)
+            num = torch.full((batch,), k)
+            uniform = torch.rand(batch, k, generator=gen)
+            with CountOps() as counter:
+                rejection_sample(drafts, num, target, q, uniform, _Sampler())
+            return counter.count
+
+        small, many_rows, many_drafts = ops(4, 3), ops(64, 3), ops(4, 12)
+        for what, count, bigger in (("rows", many_rows, "64 rows instead of 4"),
+                                    ("drafts", many_drafts, "K = 12 instead of 3")):
+            expect(count <= small + 8, f"rejection_sample runs a Python loop over {what}: {bigger} took {count} "
+                   f"torch operations against {small}",
+                   input="B = 4, K = 3 against " + bigger + " (draft_probs given)",
+                   expected="the same number of tensor operations whatever B and K",
+                   hint="the contract asks for whole-batch tensor operations: which values does every row need "
+                        "(p(d), q(d), how many drafts it keeps, its next distribution), and can each be one "
+                        "tensor with a row per request, built by indexing the batch at once?")
 
     def against_the_walk():
         from hypothesis import given, strategies as st
@@ -303,14 +402,14 @@ def check_rejection_sampler(rejection_sample, residual_probs, *, max_examples: i
                  + f"; p1 = {_fmt(P)}, p2 = {_fmt(P_SECOND)}, p3 = {_fmt(P_BONUS)}")
         first_kept = got[:, 0] == drafts[:, 0]
         both_kept = first_kept & (got[:, 1] == drafts[:, 1])
-        _chi_square(got[:, 0], P, "the first token", where, HINT_RULE + "; on a rejection, " + HINT_RESIDUAL)
-        _chi_square(got[first_kept, 1], P_SECOND, "the second token (rows whose first draft was accepted)", where,
+        _chi_square(got[:, 0], P, "token 1", where, HINT_RULE + "; on a rejection, " + HINT_RESIDUAL)
+        _chi_square(got[first_kept, 1], P_SECOND, "token 2 (draft 1 kept)", where,
                     HINT_RULE + "; on a rejection, " + HINT_RESIDUAL)
         bonus = got[both_kept, 2]
         expect(bool((bonus != PLACEHOLDER).all()),
                f"{int((bonus == PLACEHOLDER).sum()):,} of {len(bonus):,} rows accepted both drafts but got no bonus "
                "token", input=where, hint=HINT_BONUS)
-        _chi_square(bonus, P_BONUS, "the bonus token (rows that accepted both drafts)", where, HINT_BONUS)
+        _chi_square(bonus, P_BONUS, "the bonus (both drafts kept)", where, HINT_BONUS)
 
     cases = [
         Case("residual_probs on the 4-token example: max(0, p - q), normalized", residual_example),
@@ -319,6 +418,11 @@ def check_rejection_sampler(rejection_sample, residual_probs, *, max_examples: i
         Case("greedy rows: the argmax walk, the bonus token, K = 0 rows and padding", greedy_walk),
         Case("a greedy row with draft_probs given is still the argmax walk", greedy_with_draft_probs),
         Case("chosen uniforms: a draft is accepted exactly when uniform * q(d) < p(d)", chosen_uniforms),
+        Case("the token after a rejection, draft_probs given: from max(0, p - q), normalized",
+             lambda: after_a_rejection(True)),
+        Case("the token after a rejection, token-only drafts: from p without the rejected draft",
+             lambda: after_a_rejection(False)),
+        Case("batched: no Python loop over rows or drafts (operations counted at two sizes)", batched),
         Case(f"property: {max_examples} random batches against a draft-by-draft walk", against_the_walk),
         Case("distribution, draft_probs given: first, second and bonus tokens follow the target "
              "(chi-square, false alarm 1 in 10,000 each)", lambda: distribution(True)),
@@ -341,7 +445,7 @@ def _chi_square(tokens: torch.Tensor, expected_probs: torch.Tensor, what: str, w
     threshold = CHI2_1_IN_10_000[vocab - 1]
     if statistic > threshold:
         raise CheckFailure(
-            f"{what} must follow the target's distribution: chi-square {statistic:,.1f} > {threshold} (the "
-            f"value a correct sampler exceeds once in 10,000 runs, {vocab - 1} degrees of freedom)",
-            input=where, expected=f"frequencies {_fmt(expected_probs)}", got=f"frequencies {_fmt(counts / n)}",
-            hint=hint)
+            f"{what} is off the target's p: chi-square {statistic:,.1f} > {threshold:.1f}",
+            input=where, expected=f"frequencies {_fmt(expected_probs)} (chi-square at most {threshold}: a correct "
+                                  f"sampler exceeds it once in 10,000 runs, {vocab - 1} degrees of freedom)",
+            got=f"frequencies {_fmt(counts / n)}", hint=hint)

@@ -53,7 +53,8 @@ def describe_step(trace: Trace, step: int) -> list[str]:
 
 def describe_drafts(r: RequestStep) -> str:
     """'r0 checked 4 drafts, kept 2; positions 31-32 (rejected) stay allocated, rewritten next step'."""
-    text = f"{r.request_id} checked {r.num_draft_tokens} draft{'s' if r.num_draft_tokens > 1 else ''}"
+    who = f"request {r.request_id}" if r.request_id.isdigit() else r.request_id   # not "0 checked"
+    text = f"{who} checked {r.num_draft_tokens} draft{'s' if r.num_draft_tokens > 1 else ''}"
     if r.num_accepted_tokens is None:
         return text
     rejected = r.num_draft_tokens - r.num_accepted_tokens

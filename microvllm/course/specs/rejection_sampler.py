@@ -74,17 +74,25 @@ A greedy request is the same rule: its target is one-hot at the argmax and its u
 draft is accepted exactly when it is the argmax, and the residual of a one-hot p is that one-hot.
 """,
     hints=(
-        """Find every draft's probabilities with one `gather` each: first replace the padding by a valid
-index (`torch.where(is_draft, draft_token_ids, 0)`, with `is_draft = positions <
-num_draft_tokens.unsqueeze(1)`), then `target_probs[:, :max_drafts].gather(-1, drafts.unsqueeze(-1))`.
-Without `draft_probs`, q(d) is 1: `torch.ones_like(p_of_draft)`.""",
-        """"Accepted up to the first rejection" without a loop: a running product of 0s and 1s stops at
-the first 0.
+        """Draw one row of the batch (K = 3, this row has 2 drafts) and ask what each column needs:
 
-```python
-accepted = (uniform * q_of_draft < p_of_draft) & is_draft
-num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)        # [B], 0..num_draft_tokens
-```""",
+    column j            0        1        2 (padding)     3 (bonus position)
+    draft d_j           5        2        -1
+    p_j(d_j)            ?        ?        (not a draft)
+    q_j(d_j)            ?        ?        (1 if draft_probs is None)
+
+Every `?` is one number per (row, column): which tensor holds it, and along which dimension do you
+pick entry `d_j`? What must the padding column's "draft" become first, so that picking an entry
+with it cannot fail? (A padding id may be -1, or a real id the target happens to like.)""",
+        """Once you have a `[B, K]` tensor of True / False, "accepted", how many drafts does each row
+keep? Not the number of Trues: a draft after the first rejection never counts.
+
+    accepted    T  T  F  T          -> keeps 2 (the T after the F is ignored)
+    accepted    F  T  T  T          -> keeps 0
+
+Which running operation along the row turns `T T F T` into `1 1 0 0`? And once you know how many
+a row keeps, which position's distribution gives its one more token, and when is that a residual
+rather than p?""",
         """Before you run this, walk the three rows by hand: which drafts are kept (`0.9 * q(d) < p(d)`?),
 which distribution gives each row's one more token (a residual, the bonus, or `target[b, 0]`), and
 where the -1s go.
@@ -104,7 +112,7 @@ assert out.tolist() == [[1, 0, -1], [1, 2, 0], [2, -1, -1]], out
 assert residual_probs(torch.tensor([0.5, 0.25, 0.25]), torch.tensor([0.25, 0.5, 0.25])).tolist() == [1.0, 0.0, 0.0]
 ```""",
     ),
-    checks=("check_rejection_sampler(rejection_sample, residual_probs)",),
+    checks=("result = check_rejection_sampler(rejection_sample, residual_probs)",),
     engine_intro="""`components={"rejection_sampler": RejectionSampler}` makes the engine check every
 step's drafts with the class above, so with *your* `rejection_sample`. Speculative decoding is on
 (`speculative_config={"method": "ngram", "num_speculative_tokens": 3, ...}`: drafts looked up in the
