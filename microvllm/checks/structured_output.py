@@ -9,7 +9,10 @@ state with no way to acceptance dead), so
     forbidden <=>  after this token, no text at all can complete the pattern
 
 Each case compares your trie's answer with that walk and explains the first token where they
-differ, in the pattern's own characters.
+differ, in the pattern's own characters. One trie answers for every state of every pattern (the
+engine builds one for the vocabulary and remembers masks per pattern, ``CompiledRegex.masks``), so
+the checks also ask one trie several questions in a row and recognise an answer remembered from an
+earlier question (a memo keyed by the state alone, or one cache for all states).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from microvllm.checks.report import Case, CheckFailure, CheckResult, expect, pro
 # The example of backend_regex.py's docstring, with a few more tokens.
 NUMBER = r"[0-9]+(\.[0-9]+)?"
 NUMBER_VOCAB = {0: "14", 1: ".5", 2: ".", 3: "5a", 4: " 7", 5: "3", 6: "a", 7: "1.", 8: "1.2.", 9: "...",
-                10: "7", 11: "0.25"}
+                10: "7", 11: "0.25", 12: "2."}   # "2.": a leaf that ends in a live, non-accepting state
 SHARED = "(ab|ac)d*!"
 SHARED_VOCAB = {0: "a", 1: "ab", 2: "abd", 3: "abdd", 4: "ac", 5: "acx", 6: "b", 7: "abx", 8: "d", 9: "abd!",
                 10: "ab!", 11: "ab", 12: "x"}
@@ -65,17 +68,55 @@ def _where_it_dies(dfa, state: int, text: str) -> int:
     return -1
 
 
-def compare_mask(trie_class, pattern: str, prefix: str, texts: dict[int, str], *, counting: bool = False) -> None:
-    """Build ``trie_class(texts)``, ask it for the state after ``prefix``, compare with the walk."""
+def _remembered_answer(history: list, got: set[int], expected: set[int], pattern: str, state: int,
+                       trie, where: str, shown_vocab: str) -> None:
+    """Fail with the cause if ``got`` is wrong here but is what an earlier question was answered."""
+    for earlier in reversed(history):
+        if not got or got != earlier["got"] or earlier["expected"] == expected:
+            continue
+        before = f"pattern {earlier['pattern']!r}, state {earlier['state']}"
+        if earlier["pattern"] != pattern:
+            message, hint = (
+                f"allowed_from() answered state {state} of {pattern!r} with the ids it gave for state "
+                f"{earlier['state']} of {earlier['pattern']!r}: a memo keyed by the state alone is shared "
+                "across DFAs",
+                "state numbers belong to one DFA (state 1 of one pattern is not state 1 of another), and "
+                "the engine asks one trie about every pattern: keep no memo in the trie (the engine already "
+                "remembers each pattern's masks), or key it by (dfa, state)" + (
+                    "; this memo also outlives its trie (a class attribute or a global): keep it in self"
+                    if earlier["trie"] is not trie else ""))
+        elif earlier["state"] != state:
+            message, hint = (
+                f"allowed_from() answered state {state} with the ids it gave for state {earlier['state']} "
+                "of the same pattern: one cache serves every state",
+                "a mask belongs to one DFA state: after '3' a digit or '.' may follow, after '3.' only a "
+                "digit. Compute the walk for the state you are given each time (or key a memo by the state)")
+        elif earlier["trie"] is not trie:
+            message, hint = (
+                "allowed_from() answered with the ids of another trie's vocabulary: a memo outlives its trie "
+                "(a class attribute or a global)",
+                "each TokenTrie has its own vocabulary: keep no memo outside self")
+        else:
+            continue
+        raise CheckFailure(message, input=f"{where}; vocabulary {{{shown_vocab}}} (asked after {before})",
+                           expected=sorted(expected), got=sorted(got), hint=hint)
+
+
+def compare_mask(trie_class, pattern: str, prefix: str, texts: dict[int, str], *, counting: bool = False,
+                 trie=None, history: list | None = None) -> None:
+    """Build ``trie_class(texts)`` (or ask ``trie``, built from ``texts``, again) for the state
+    after ``prefix``, compare with the walk. ``history``: the questions asked before in this
+    check, to recognise a remembered answer."""
     from microvllm.structured_output.regex_dfa import RegexDFA
 
     dfa = RegexDFA(pattern)
     state = dfa.walk(dfa.start, prefix)
     assert state != dfa.DEAD, (pattern, prefix)
-    trie = trie_class(dict(texts))
+    trie = trie if trie is not None else trie_class(dict(texts))
     asked = _CountingDFA(dfa)
     result = trie.allowed_from(asked, state)
-    where = f"pattern {pattern!r}, " + (f"the state after {prefix!r}" if prefix else "the start state")
+    where = f"pattern {pattern!r}, " + (f"the state after {prefix!r} (state {state})" if prefix
+                                        else f"the start state ({state})")
     shown_vocab = ", ".join(f"{i}: {t!r}" for i, t in list(texts.items())[:16]) + (
         f", ... ({len(texts) - 16} more)" if len(texts) > 16 else "")
     expect(isinstance(result, (list, tuple)), "allowed_from() must return a list of token ids",
@@ -83,6 +124,10 @@ def compare_mask(trie_class, pattern: str, prefix: str, texts: dict[int, str], *
            hint="collect the ids in a list: allowed.extend(self.ends[node])")
     got = {int(i) for i in result}
     expected = brute_force_allowed(dfa, state, texts)
+    if history is not None:
+        if got != expected:
+            _remembered_answer(history, got, expected, pattern, state, trie, where, shown_vocab)
+        history.append({"pattern": pattern, "state": state, "got": got, "expected": expected, "trie": trie})
     unknown = sorted(got - set(texts))
     expect(not unknown, f"allowed_from() returned ids that are in no token: {unknown}",
            input=f"{where}; vocabulary {{{shown_vocab}}}",
@@ -115,17 +160,33 @@ def compare_mask(trie_class, pattern: str, prefix: str, texts: dict[int, str], *
             f"token {token_id} {text!r} must be allowed: {prefix + text!r} can still become a match "
             "(reading it never reaches the dead state)",
             input=f"{where}; vocabulary {{{shown_vocab}}}", expected=sorted(expected), got=sorted(got),
-            hint=start_hint or (
-                f"add the ids of every node you reach, not only of leaves: {text!r} ends at a node that also "
-                "has children" if deeper else
-                "walk the whole live part of the trie: every child whose character keeps the DFA alive, "
-                "to any depth (push (child, next state) and pop until the stack is empty)"))
+            hint=start_hint or _missing_hint(dfa, state, texts, expected, got, text, deeper))
     if counting:
         expect(not asked.dead_steps, "allowed_from() walked below a dead prefix: dfa.step() was called on "
                f"dfa.DEAD {len(asked.dead_steps)} times",
                input=f"{where}; vocabulary {{{shown_vocab}}}",
                hint="when dfa.step(at, ch) returns dfa.DEAD, do not push that child: nothing below it can be "
                     "allowed, and SmolLM2's 49,152 tokens make the walk slow")
+
+
+def _missing_hint(dfa, state: int, texts: dict[int, str], expected: set[int], got: set[int], text: str,
+                  deeper: bool) -> str:
+    """Why a live token is missing: a mask of the accepting end states only, of leaves only, or
+    a walk that stops early. The first two are told apart by what the whole answer looks like."""
+    ends_accepting = {i for i in expected if dfa.is_accepting(dfa.walk(state, texts[i]))}
+    is_leaf = {i for i in expected
+               if not any(len(other) > len(texts[i]) and other.startswith(texts[i]) for other in texts.values())}
+    if got == ends_accepting and got != is_leaf:
+        after = dfa.walk(state, text)
+        return (f"allowed means 'can still become a match', not 'is a match already': {text!r} leaves the DFA "
+                f"in state {after}, which does not accept but is not dead either, so a later token can finish "
+                "the match. Add the ids of every live node; only the end of the text (EOS) needs an accepting "
+                "state, and RegexGrammar.allowed_ids adds it")
+    if deeper or (got == is_leaf and got != ends_accepting):
+        return (f"add the ids of every node you reach, not only of leaves: {text!r} ends at a node that also "
+                "has children")
+    return ("walk the whole live part of the trie: every child whose character keeps the DFA alive, to any "
+            "depth (push (child, next state) and pop until the stack is empty)")
 
 
 def _regexes():
@@ -148,16 +209,25 @@ def _regexes():
 def check_token_trie(trie_class, *, max_examples: int = 60, quiet: bool = False) -> CheckResult:
     """Check a ``TokenTrie`` class's ``allowed_from``; print and return the result."""
 
+    history: list = []   # every question of the cases below: the engine's one trie answers them all
+
     def docstring_example():
-        compare_mask(trie_class, NUMBER, "3", NUMBER_VOCAB)
+        compare_mask(trie_class, NUMBER, "3", NUMBER_VOCAB, history=history)
 
     def shared_prefixes():
-        compare_mask(trie_class, SHARED, "", SHARED_VOCAB)
-        compare_mask(trie_class, SHARED, "ab", SHARED_VOCAB)
+        compare_mask(trie_class, SHARED, "", SHARED_VOCAB, history=history)
+        compare_mask(trie_class, SHARED, "ab", SHARED_VOCAB, history=history)
+
+    def one_trie_for_every_state_and_pattern():
+        texts = {**NUMBER_VOCAB, **{20 + i: t for i, t in SHARED_VOCAB.items()}}
+        trie = trie_class(dict(texts))
+        for pattern, prefix in ((NUMBER, "3"), (NUMBER, "3."), (NUMBER, "3"), (SHARED, "a"), (SHARED, "ab"),
+                                (NUMBER, "3.")):
+            compare_mask(trie_class, pattern, prefix, texts, trie=trie, history=history)
 
     def prunes_dead_prefixes():
-        compare_mask(trie_class, NUMBER, "3", NUMBER_VOCAB, counting=True)
-        compare_mask(trie_class, SHARED, "a", SHARED_VOCAB, counting=True)
+        compare_mask(trie_class, NUMBER, "3", NUMBER_VOCAB, counting=True, history=history)
+        compare_mask(trie_class, SHARED, "a", SHARED_VOCAB, counting=True, history=history)
 
     def property_case():
         from hypothesis import assume, given, strategies as st
@@ -181,6 +251,8 @@ def check_token_trie(trie_class, *, max_examples: int = 60, quiet: bool = False)
         Case("the docstring's example: [0-9]+(\\.[0-9]+)? after '3' ('14', '.', '.5' allowed; '5a', ' 7' not)",
              docstring_example),
         Case("tokens that share prefixes: an id may end at a node that has children", shared_prefixes),
+        Case("one trie asked about several states of two patterns (state 1 of one DFA is not state 1 of "
+             "the other)", one_trie_for_every_state_and_pattern),
         Case("a dead prefix is pruned: dfa.step() is never called on dfa.DEAD", prunes_dead_prefixes),
         Case(f"property: random patterns, vocabularies and states ({max_examples} examples) against a "
              "per-token walk of the DFA", property_case),

@@ -55,6 +55,7 @@ from microvllm.profiler import TorchProfiler
 from microvllm.sampling_params import SamplingParams
 from microvllm.structured_output import StructuredOutputManager
 from microvllm.structured_output.backend_regex import TokenTrie
+from microvllm.structured_output.bitmask import allows_nothing
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ class Engine:
                                                          runner_output.spec_token_ids)
         if self.fault_isolation is not None:
             self.fault_isolation.passed(core.request_id for core in core_outputs)
-        core_outputs, failed = self._advance_grammars(core_outputs)
+        core_outputs, failed = self._advance_grammars(core_outputs, plan)
         outputs, stopped = self.output_processor.process(core_outputs, runner_output.logprobs,
                                                          runner_output.prompt_logprobs)
         outputs.extend(failed)
@@ -323,19 +324,27 @@ class Engine:
         return dataclasses.replace(plan, structured_output_request_ids=tuple(rows),
                                    grammar_bitmask=manager.grammar_bitmask(rows))
 
-    def _advance_grammars(self, core_outputs) -> tuple[list, list]:
+    def _advance_grammars(self, core_outputs, plan=None) -> tuple[list, list]:
         """Each structured request's matcher takes its new tokens. A grammar that is
         complete (it accepted EOS where it may end, with ``ignore_eos`` on so the
         scheduler went on) finishes its request: "stop", as EOS would. A token the
-        grammar refuses is never output: its request fails (``_fail_grammar``).
-        Returns (the core outputs to process, the outputs of the requests that failed)."""
+        grammar refuses is never output: its request fails (``_fail_grammar``). So does
+        a token sampled from a mask row that allowed nothing (every logit was -inf, so
+        the sampler's pick, id 0, means nothing), even if the grammar would take it: a
+        mask that disagrees with its grammar (a wrong ``TokenTrie``) must not pass id 0 off
+        as output. Returns (the core outputs to process, the outputs of the requests that failed)."""
         manager = self.structured_output_manager
         if not manager.grammars:
             return core_outputs, []
+        empty_rows = set()
+        if plan is not None and plan.grammar_bitmask is not None:
+            empty = allows_nothing(plan.grammar_bitmask, manager.vocab_size).tolist()
+            empty_rows = {rid for rid, none in zip(plan.structured_output_request_ids, empty) if none}
         result, failed = [], []
         for core in core_outputs:
             if core.request_id in manager.grammars and core.new_token_ids:
-                if not manager.accept_tokens(core.request_id, list(core.new_token_ids)):
+                if (core.request_id in empty_rows
+                        or not manager.accept_tokens(core.request_id, list(core.new_token_ids))):
                     output = self._fail_grammar(core.request_id, list(core.new_token_ids))
                     failed.extend([output] if output is not None else [])
                     continue

@@ -75,8 +75,8 @@ class TokenTrie:
             node 0 ("", state) ──"1"──> ("1", s1) ──"4"──> ("14", s2)   ids ending at "1", "14": allowed
                                └─" "──> DEAD: prune, never walk below (" 7", " a", ...)
 
-        Each live edge is stepped once (``dfa.step`` is never called on ``dfa.DEAD``); node 0,
-        the empty prefix, holds no id."""
+        Each live edge is stepped once (``dfa.step`` is never called on ``dfa.DEAD``). Node 0 holds
+        only empty tokens' ids (the engine's vocabulary has none), never allowed: they add nothing."""
         ### BEGIN SOLUTION
         allowed: list[int] = []
         stack = [(0, state)]

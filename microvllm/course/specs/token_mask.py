@@ -34,7 +34,15 @@ state `state` without reaching `dfa.DEAD`:
   DFA alive — then some text still completes the pattern; a forbidden token is one after which
   nothing can;
 - an id may end at a node that has children (`"1."` under `"1"`): add the ids of *every* node you
-  reach, not only of leaves; node 0 (the empty prefix) holds none;
+  reach, not only of leaves; node 0 (the empty prefix) holds only the ids of empty tokens (the
+  engine's vocabulary has none; hint 3's token 8 is one): never add them, since a token that adds
+  nothing would let the model stall in place;
+- allowed means "can still become a match", not "is a match": under `[0-9]+(\\.[0-9]+)?`,
+  `"1."` is allowed after `"3"` although `"31."` matches nothing yet (only EOS needs an
+  accepting state: the engine adds it);
+- the engine builds one trie and asks it about every state of every pattern, in any order: an
+  answer is for this `(dfa, state)` only (state 1 of one DFA is not state 1 of another), so a memo
+  keyed by the state alone, or kept for all states, returns another question's mask;
 - prune: never step below a dead prefix (`dfa.step` is never called on `dfa.DEAD`), so that a
   49,152-token vocabulary is walked only where the pattern can go;
 - the order of the ids does not matter; the engine sets those entries of the mask to True.
@@ -43,11 +51,20 @@ The engine calls it once per DFA state a request reaches (the mask is remembered
 EOS ids where the state accepts (`RegexGrammar.allowed_ids`, given).
 """,
     hints=(
-        """The trie is a tree, so a walk needs no "seen" set: keep a stack of `(node, dfa_state)` pairs,
-starting with `(0, state)`. Each pop adds `self.ends[node]` (for `node != 0`).""",
-        """For each `ch, child in self.children[node].items()`: `nxt = dfa.step(at, ch)`; push
-`(child, nxt)` only if `nxt != dfa.DEAD`. That is the whole pruning: the subtree of a dead child is
-never visited.""",
+        """Draw the trie of `{0: "1", 1: "1.", 2: "12", 3: "a"}` and walk it by hand from the start
+state of `[0-9]+\\.[0-9]`:
+```
+node 0 ──"1"──> n1 [ids 0] ──"."──> n2 [ids 1]
+   │                └─────"2"──> n3 [ids 2]
+   └───"a"──> n4 [ids 3]
+```
+At each edge, which DFA state are you in, and which edge first reaches `dfa.DEAD`? What must you
+carry along with a node so that the walk can go on from it? A tree has one path to each node: do
+you need a "seen" set?""",
+        """Which ids does the walk collect: those at the node where the DFA died, those at a node
+it entered alive, or only those where the DFA accepts? Is `"1."` (n2) allowed although `"1."`
+matches nothing yet? If you stop at `"a"`, how many `dfa.step` calls did the nodes below it cost
+you — and how many would they cost under a dead prefix in a 49,152-token vocabulary?""",
         """Before you run this, predict which of the nine tokens may start a match of
 `[0-9]+\\.[0-9]`, and which may follow a first `"7"`. Why is `"1.5x"` never allowed although it
 starts like `"1.5"`? Which node holds the empty token 8?
