@@ -6,6 +6,9 @@
         tie that any rounding may flip)
     perplexity(llm)                          exp(mean negative log-likelihood) of a few fixed
         paragraphs, from prompt_logprobs (the model reading them, not generating)
+    weights_replaced(llm, roundtrip)         for a while, every projection's float weight W is
+        roundtrip(W) (quantize then dequantize): a format's error, measured in float32 against
+        the weights the engine loaded (an ``enforce_eager=True`` engine: its F.linear reads W)
 
 Used by ``bench throughput --workload quantization`` and notebook 16.
 """
@@ -13,6 +16,8 @@ Used by ``bench throughput --workload quantization`` and notebook 16.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 PROMPTS = [
@@ -96,3 +101,33 @@ def describe(name: str, same: int, divergences: list[Divergence], total: int) ->
         lines.append(f"  prompt {d.prompt:2}: parts at output token {d.position}; f32's margin there "
                      f"{d.reference_margin:.3f}, {name}'s {d.candidate_margin:.3f} (log-probability, top-1 - top-2)")
     return "\n".join(lines)
+
+
+@contextmanager
+def weights_replaced(llm, roundtrip: Callable) -> Iterator[float]:
+    """Inside the ``with``: every float ``Linear`` weight ``W`` of ``llm``'s model (the
+    projections; the tied embedding / LM head stays as it is) holds ``roundtrip(W)``; after
+    it, ``W`` again. Yields the weights' relative error, ``||roundtrip(W) - W|| / ||W||`` over
+    all of them (root mean square of the change over that of the weights). ``llm`` must be an
+    ``enforce_eager=True`` engine, whose ``F.linear`` reads the weight itself (the platform's
+    GEMM reads a packed copy made once at load time)."""
+    from microvllm.layers.linear import Linear
+    from microvllm.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if not llm.engine.config.device_config.enforce_eager:
+        raise ValueError("weights_replaced needs LLM(..., enforce_eager=True): the platform's GEMM reads a "
+                         "packed copy of each weight that replacing the weight does not change")
+    model = llm.engine.executor.worker.model
+    layers = [m for m in model.modules()
+              if isinstance(m, Linear) and not isinstance(m, ParallelLMHead) and m.quant_method is None]
+    saved = [layer.weight.data.clone() for layer in layers]
+    try:
+        change = size = 0.0
+        for layer, weight in zip(layers, saved):
+            layer.weight.data.copy_(roundtrip(weight))
+            change += (layer.weight.data - weight).double().square().sum().item()
+            size += weight.double().square().sum().item()
+        yield math.sqrt(change / size)
+    finally:
+        for layer, weight in zip(layers, saved):
+            layer.weight.data.copy_(weight)

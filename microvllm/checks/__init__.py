@@ -21,6 +21,7 @@ cache manager, every step's decisions (see ``engine_run.py``).
     07 model runner       check_slot_mapping, check_prepare_inputs
     14 rejection sampler  check_rejection_sampler
     15 token mask         check_token_trie
+    16 Q4_1 blocks        check_q4_1, run_gguf_with (the embedded GGUF file, enforce_eager=True)
 """
 
 from microvllm.checks.attention import check_decode_kernel
@@ -30,6 +31,7 @@ from microvllm.checks.engine_run import run_engine_with
 from microvllm.checks.free_queue import check_free_block_queue
 from microvllm.checks.model_runner import check_prepare_inputs
 from microvllm.checks.prefix_cache import check_get_computed_blocks, check_hash_block_tokens
+from microvllm.checks.quantization import check_q4_1, run_gguf_with
 from microvllm.checks.rejection_sampler import check_rejection_sampler
 from microvllm.checks.report import CheckFailure, CheckResult
 from microvllm.checks.sampler import check_sampler
@@ -38,8 +40,8 @@ from microvllm.checks.slot_mapping import check_slot_mapping
 from microvllm.checks.structured_output import check_token_trie
 
 __all__ = [
-    "CheckFailure", "CheckResult", "check_block_pool", "check_decode_kernel", "check_detokenizer",
+    "CheckFailure", "CheckResult", "check_block_pool", "check_q4_1", "check_decode_kernel", "check_detokenizer",
     "check_find_stop_string", "check_free_block_queue", "check_get_computed_blocks",
     "check_hash_block_tokens", "check_prepare_inputs", "check_rejection_sampler", "check_sampler", "check_scheduler",
-    "check_slot_mapping", "check_token_trie", "run_engine_with",
+    "check_slot_mapping", "check_token_trie", "run_engine_with", "run_gguf_with",
 ]

@@ -96,6 +96,9 @@ def hf_greedy_with_the_mask(folder: str, llm, prompt_ids: list[int], pattern: st
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb")))
 def test_solution_plugs_into_the_engine_with_hf_identical_tokens(name, tiny_llama, tmp_path):
     module = load_solution_module(ROOT / "solutions" / f"{name}.ipynb", tmp_path)
+    if name == "16_q4_1_blocks":   # a GGUF of the tiny Llama, enforce_eager=True: every Linear calls it
+        _gguf_with_the_solution_dequantization(tiny_llama, tmp_path, module.dequantize_q4_1)
+        return
     components, settings, uses_it = _components(name, module)
     prompts = varied_prompts(512, count=6, seed=3, max_len=40)
     if name == "06_decode_kernel":  # Triton's interpreter is slow: fewer, shorter prompts
@@ -119,6 +122,26 @@ def test_solution_plugs_into_the_engine_with_hf_identical_tokens(name, tiny_llam
         assert tuple(out.outputs[0].token_ids) == hf_greedy(str(tiny_llama), tuple(prompt), MAX_TOKENS)
     if name in ("03_block_pool", "05_scheduler"):
         assert llm.trace.preemption_steps(), "the settings were meant to force preemption"
+
+
+def _gguf_with_the_solution_dequantization(tiny_llama, tmp_path, dequantize_q4_1):
+    """The tiny Llama as a Q4_1 GGUF file: the same greedy tokens with the solution's
+    dequantization as with the package's, and the solution's is the one called."""
+    import microvllm.layers.quantization.gguf as gguf_format
+    from microvllm.models.tiny_gguf import write_gguf
+
+    llm = LLM(str(write_gguf(tiny_llama, tmp_path / "tiny.gguf")), enforce_eager=True, max_model_len=128)
+    prompts = [{"prompt_token_ids": p} for p in varied_prompts(512, count=6, seed=3, max_len=40)]
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    calls = []
+    package = gguf_format.DEQUANTIZE["Q4_1"]
+    gguf_format.DEQUANTIZE["Q4_1"] = lambda *args: calls.append(1) or dequantize_q4_1(*args)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        gguf_format.DEQUANTIZE["Q4_1"] = package
+    assert calls, "the engine did not call the solution's dequantize_q4_1"
+    assert [o.outputs[0].token_ids for o in outs] == reference
 
 
 def test_text_through_the_solution_detokenizer_matches(tiny_llama, tmp_path):

@@ -65,14 +65,53 @@ GGUF_TYPES = {t.name: t for t in (GGUFType("Q4_1", BLOCK, 20), GGUFType("Q8_0", 
 FLOAT_TYPES = ("F32",)
 
 
-def dequantize_q4_1(rows: torch.Tensor, in_features: int) -> torch.Tensor:
-    """``uint8 [N, K/32 * 20]`` -> ``float32 [N, K]``: ``w = d * q + m`` per block."""
-    blocks = rows.reshape(rows.shape[0], in_features // BLOCK, 20)
+def dequantize_q4_1(rows: torch.Tensor, in_features: int, block_size: int = BLOCK) -> torch.Tensor:
+    """``uint8 [N, K/B * (4 + B/2)]`` -> ``float32 [N, K]``: ``w = d * q + m`` per block of
+    ``B = block_size`` weights (32 in a GGUF file; ``quantize_q4_1`` writes other sizes too).
+    Byte ``4 + j`` of a block holds ``q[j]`` in its low nibble and ``q[j + B/2]`` in its high."""
+    blocks = rows.reshape(rows.shape[0], in_features // block_size, 4 + block_size // 2)
+    ### BEGIN SOLUTION
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()      # [N, blocks, 1]
     m = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    qs = blocks[..., 4:]                                                # [N, blocks, 16]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()                 # q[0..15], q[16..31]
-    return (d * q + m).reshape(rows.shape[0], in_features)
+    qs = blocks[..., 4:]                                                # [N, blocks, B/2]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()                 # q[0..B/2-1], then q[B/2..B-1]
+    weights = d * q + m
+    ### END SOLUTION
+    return weights.reshape(rows.shape[0], in_features)
+
+
+def quantize_q4_1(weight: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
+    """``float [N, K]`` -> ``uint8 [N, K/B * (4 + B/2)]``, the layout above, by round to nearest
+    (llama.cpp's ``quantize_row_q4_1_ref``): per block of ``B = block_size`` weights,
+    ``m = min``, ``d = (max - min) / 15``, ``q = round((w - m) / d)`` in 0..15 (an all-equal
+    block: d = 0, every q = 0). With ``B = 32`` these are the bytes a GGUF file holds;
+    ``dequantize_q4_1(quantize_q4_1(W, B), K, B)`` is the Q4_1 model at block size B."""
+    rows, in_features = weight.shape
+    if in_features % block_size or block_size % 2:
+        raise ValueError(f"a row of {in_features} weights does not split into blocks of {block_size}")
+    blocks = weight.detach().float().reshape(rows, in_features // block_size, block_size)
+    ### BEGIN SOLUTION
+    low = blocks.amin(dim=-1, keepdim=True)
+    d = (blocks.amax(dim=-1, keepdim=True) - low) / 15
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.trunc((blocks - low) * inverse + 0.5).clamp_(0, 15).to(torch.uint8)   # round half up
+    half = block_size // 2
+    packed = q[..., :half] | (q[..., half:] << 4)
+    scales = torch.cat([d.half(), low.half()], dim=-1).view(torch.uint8)          # d, m: 2 bytes each
+    stored = torch.cat([scales, packed], dim=-1)
+    ### END SOLUTION
+    return stored.reshape(rows, -1)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """``float [N, K]`` -> ``uint8 [N, K/32 * 34]``: per block, ``d = max|w| / 127``,
+    ``q = round(w / d)`` (llama.cpp's ``quantize_row_q8_0_ref``)."""
+    rows, in_features = weight.shape
+    blocks = weight.detach().float().reshape(rows, in_features // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse).to(torch.int8)
+    return torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows, -1)
 
 
 def dequantize_q8_0(rows: torch.Tensor, in_features: int) -> torch.Tensor:
