@@ -83,18 +83,10 @@ def runnable(target: str) -> str | None:
     """None if this machine can run ``target``'s kernels, else why not."""
     from microvllm.platforms.cpu import kernels
 
-    env = TARGETS[target].get("MICROVLLM_CPU_ISA", "native")
-    saved = os.environ.get("MICROVLLM_CPU_ISA")
-    os.environ["MICROVLLM_CPU_ISA"] = env
     try:
-        kernels.check_target()
+        kernels.check_target(TARGETS[target].get("MICROVLLM_CPU_ISA", "native"))
     except kernels.KernelUnavailable as error:
         return str(error)
-    finally:
-        if saved is None:
-            del os.environ["MICROVLLM_CPU_ISA"]
-        else:
-            os.environ["MICROVLLM_CPU_ISA"] = saved
     return None
 
 

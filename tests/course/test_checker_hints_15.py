@@ -12,8 +12,9 @@ import re
 from microvllm import LLM, SamplingParams, checks
 from microvllm.models.tiny import make_tiny_model
 from microvllm.sampling_params import StructuredOutputsParams
+from microvllm.structured_output import backend_regex
 from microvllm.structured_output.backend_regex import TokenTrie
-from tests.course.mutants import TrieLeavesOnly
+from tests.course.mutants import TrieLeavesOnly, mutant
 
 
 def caught(trie_class, cause: str, *, not_said: str | None = None) -> str:
@@ -60,20 +61,9 @@ class TrieOneCache(TokenTrie):
         return self.cache
 
 
-class TrieAcceptingOnly(TokenTrie):
-    """Allows only tokens whose walk ends in an accepting state ("is a match" for "can still be one")."""
-
-    def allowed_from(self, dfa, state):
-        allowed, stack = [], [(0, state)]
-        while stack:
-            node, at = stack.pop()
-            if node and dfa.is_accepting(at):
-                allowed.extend(self.ends[node])
-            for ch, child in self.children[node].items():
-                nxt = dfa.step(at, ch)
-                if nxt != dfa.DEAD:
-                    stack.append((child, nxt))
-        return allowed
+# Allows only tokens whose walk ends in an accepting state ("is a match" for "can still be one").
+TrieAcceptingOnly = mutant(backend_regex, [("            if node:\n",
+                                            "            if node and dfa.is_accepting(at):\n")]).TokenTrie
 
 
 def test_a_memo_keyed_by_the_state_alone_is_named():

@@ -22,16 +22,10 @@ HERE = os.path.dirname(__file__)
 
 def can_run(isa: str) -> bool:
     try:
-        saved, os.environ["MICROVLLM_CPU_ISA"] = os.environ.get("MICROVLLM_CPU_ISA"), isa
-        kernels.check_target()
+        kernels.check_target(isa)
         return True
     except kernels.KernelUnavailable:
         return False
-    finally:
-        if saved is None:
-            os.environ.pop("MICROVLLM_CPU_ISA")
-        else:
-            os.environ["MICROVLLM_CPU_ISA"] = saved
 
 
 @pytest.mark.slow

@@ -128,10 +128,10 @@ def isa_flags() -> set[str]:
     return {flag for flag in flags if not dropped(flag)}
 
 
-def check_target() -> None:
-    """Raise ``KernelUnavailable`` if the chosen target cannot run on this CPU (code built
-    for AVX-512 would die of an illegal instruction on an AVX2 laptop)."""
-    isa = envs.cpu_isa()
+def check_target(isa: str | None = None) -> None:
+    """Raise ``KernelUnavailable`` if target ``isa`` (default: the chosen one) cannot run on
+    this CPU (code built for AVX-512 would die of an illegal instruction on an AVX2 laptop)."""
+    isa = isa or envs.cpu_isa()
     needs = _X86_NEEDS.get(isa, set()) if machine() == "x86_64" else set()
     target_flags(isa)   # an x86 target on another architecture raises here
     flags = cpu_flags()
