@@ -4,6 +4,8 @@
                        (default: $XDG_CACHE_HOME/microvllm, else ~/.cache/microvllm)
     CXX                the C++ compiler for the CPU kernels (default: c++, g++ or clang++)
     TRITON_INTERPRET   1: run the Triton kernels in Triton's interpreter (on a CPU)
+    MICROVLLM_MOE_IMPL how mixture-of-experts layers run their experts: iterative,
+                       sorted or triton (default: triton on a GPU, sorted on a CPU)
     VLLM_XGRAMMAR_CACHE_MB   vLLM's name: the most memory compiled grammars may hold in
                        the grammar cache (default here 64; vLLM's is 512)
     VLLM_MAX_N_SEQUENCES     vLLM's name: the largest ``n`` the server accepts (default
@@ -52,6 +54,11 @@ def cpu_isa() -> str:
 def triton_interpret() -> bool:
     """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def moe_impl() -> str | None:
+    """``$MICROVLLM_MOE_IMPL`` (``layers/fused_moe/layer.py``), or None for the device's default."""
+    return os.environ.get("MICROVLLM_MOE_IMPL", "").strip().lower() or None
 
 
 def xgrammar_cache_bytes() -> int:

@@ -101,6 +101,9 @@ class StepTrace:
     # Structured outputs: the fraction of the vocabulary each constrained request was
     # allowed to sample this step (its grammar's token mask), by request id.
     allowed_fraction: dict[str, float] = field(default_factory=dict)
+    # Mixtures of experts: for each MoE layer (its decoder layer index, as a string), how many
+    # (token, expert) pairs its router sent to each expert this step.
+    expert_load: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:

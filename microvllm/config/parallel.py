@@ -8,6 +8,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ParallelConfig:
     """``tensor_parallel_size``: split the model over this many worker processes (ranks)
-    with torch.distributed; 1 runs it in the engine's process (``executor/``)."""
+    with torch.distributed; 1 runs it in the engine's process (``executor/``).
+    ``enable_expert_parallel``: a mixture-of-experts layer's experts are split over those
+    ranks (whole experts per rank) instead of each expert's matrices."""
 
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False

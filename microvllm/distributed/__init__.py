@@ -1,7 +1,7 @@
 """torch.distributed for tensor parallelism, vLLM's ``vllm.distributed``.
 
     parallel_state.py     the process group: init / destroy, ``get_tp_group()``,
-                          this rank and the world size
+                          this rank and the world size; ``get_ep_group()`` for experts
     communication_op.py   what sharded layers call: all-reduce, all-gather
 
 With ``tensor_parallel_size=1`` no process group exists: ``get_tp_group()`` answers
@@ -21,6 +21,7 @@ from microvllm.distributed.parallel_state import (
     GroupCoordinator,
     destroy_distributed_environment,
     get_tensor_model_parallel_rank,
+    get_ep_group,
     get_tensor_model_parallel_world_size,
     get_tp_group,
     init_distributed_environment,
@@ -37,7 +38,7 @@ def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
     gc.collect()
 
 
-__all__ = ["GroupCoordinator", "cleanup_dist_env_and_memory", "destroy_distributed_environment",
+__all__ = ["GroupCoordinator", "cleanup_dist_env_and_memory", "destroy_distributed_environment", "get_ep_group",
            "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_tp_group",
            "init_distributed_environment", "tensor_model_parallel_all_gather",
            "serve_rendezvous", "tensor_model_parallel_all_reduce"]

@@ -19,6 +19,12 @@ about the whole process (one process is one rank), not about any one engine, and
 passing it down through every layer's constructor would obscure the model code.
 Without a group (the engine process, ``tensor_parallel_size=1``) ``get_tp_group()``
 returns a group of one, whose collectives return their input.
+
+Expert parallelism (``enable_expert_parallel=True``, vLLM's flag) uses the same ranks
+differently for the mixture-of-experts layers only: each rank holds whole experts (E / N
+of them) instead of a 1/N slice of every expert. ``get_ep_group()`` is then the same
+group of processes; without the flag it is a group of one, and the experts are sharded
+like any MLP (``layers/fused_moe/layer.py``).
 """
 
 from __future__ import annotations
@@ -68,6 +74,23 @@ class GroupCoordinator:
         self.stats.calls += 1
         self.stats.bytes += x.numel() * x.element_size()
 
+    def all_to_all_single(self, x: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int]) -> torch.Tensor:
+        """Send rows ``x[start_r : start_r + input_split_sizes[r]]`` to rank r; receive
+        ``output_split_sizes[r]`` rows from each rank r, stacked in rank order::
+
+            rank 0: [a0 a1 | b0]  splits in [2, 1]         rank 0 gets [a0 a1 | c0]
+            rank 1: [c0 | d0 d1]  splits in [1, 2]  ──>    rank 1 gets [b0 | d0 d1]
+
+        (gloo has this "single tensor" form with uneven splits; not the list form.)"""
+        if self.world_size == 1:
+            return x.clone()
+        out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
+        with self._counted(x):
+            dist.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes,
+                                   group=self.device_group)
+        return out
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, rank 0's first, on every rank::
 
@@ -82,6 +105,7 @@ class GroupCoordinator:
 
 
 _TP: GroupCoordinator | None = None
+_EP: GroupCoordinator | None = None   # the TP group's ranks when expert parallelism is on
 _SINGLE = GroupCoordinator()
 
 
@@ -93,12 +117,14 @@ def serve_rendezvous(timeout_s: float = 60.0) -> dist.TCPStore:
 
 
 def init_distributed_environment(world_size: int, rank: int, store_port: int,
-                                 backend: str = "gloo", timeout_s: float = 60.0) -> GroupCoordinator:
+                                 backend: str = "gloo", timeout_s: float = 60.0,
+                                 enable_expert_parallel: bool = False) -> GroupCoordinator:
     """Join the process group as ``rank`` of ``world_size`` through the store on
     127.0.0.1:``store_port`` (every rank must call it; it returns when all have). All ranks
     form one tensor-parallel group. ``timeout_s`` bounds the rendezvous and every
-    collective: a rank whose peer died raises instead of waiting forever."""
-    global _TP
+    collective: a rank whose peer died raises instead of waiting forever.
+    ``enable_expert_parallel``: the same ranks also form the expert-parallel group."""
+    global _TP, _EP
     if _TP is not None:
         raise RuntimeError("this process already belongs to a process group: one rank per process")
     timeout = timedelta(seconds=timeout_s)
@@ -106,6 +132,7 @@ def init_distributed_environment(world_size: int, rank: int, store_port: int,
     dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank,
                             timeout=timeout)
     _TP = GroupCoordinator(world_size, rank, dist.group.WORLD)
+    _EP = _TP if enable_expert_parallel else None
     return _TP
 
 
@@ -114,17 +141,25 @@ def get_tp_group() -> GroupCoordinator:
     return _TP if _TP is not None else _SINGLE
 
 
+def get_ep_group() -> GroupCoordinator:
+    """The expert-parallel group: the TP group's ranks with ``enable_expert_parallel``,
+    else a group of one (each rank then holds a slice of every expert)."""
+    return _EP if _EP is not None else _SINGLE
+
+
 @contextmanager
-def as_rank(world_size: int, rank: int):
+def as_rank(world_size: int, rank: int, enable_expert_parallel: bool = False):
     """Build layers here, in this process, as rank ``rank`` of ``world_size`` would build
     them, to look at a rank's shards (notebook 12, the layer tests). There is no process
     group behind it: a collective run inside fails."""
-    global _TP
-    saved, _TP = _TP, GroupCoordinator(world_size, rank)
+    global _TP, _EP
+    saved = _TP, _EP
+    _TP = GroupCoordinator(world_size, rank)
+    _EP = _TP if enable_expert_parallel else None
     try:
         yield _TP
     finally:
-        _TP = saved
+        _TP, _EP = saved
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -137,7 +172,7 @@ def get_tensor_model_parallel_rank() -> int:
 
 def destroy_distributed_environment() -> None:
     """Leave and destroy the process group, if this process joined one."""
-    global _TP
-    _TP = None
+    global _TP, _EP
+    _TP = _EP = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

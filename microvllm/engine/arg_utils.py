@@ -51,6 +51,7 @@ from microvllm.layers.quantization import check_quantization
 from microvllm.models.gguf_loader import gguf_weights_file
 from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
+from microvllm.models.registry import moe_dims
 from microvllm.platforms import Platform, get_platform
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,9 @@ class EngineArgs:
         "it builds (torch with enforce_eager), on CUDA triton"))
     tensor_parallel_size: int = field(default=1, metadata=_cli(
         "split the model over this many worker processes (torch.distributed); 1: this process"))
+    enable_expert_parallel: bool = field(default=False, metadata=_cli(
+        "mixture-of-experts models: split the experts over the tensor-parallel ranks (whole "
+        "experts per rank, tokens sent to them) instead of slicing every expert"))
     enforce_eager: bool = field(default=False, metadata=_cli(
         "run the plain model code the notebooks show: no C++ kernels, no packed weights, "
         "no decode fast path (same tokens, slower)"))
@@ -295,10 +299,18 @@ class EngineArgs:
         before any worker process starts (vLLM: ``ModelConfig.verify_with_parallel_config``):
         the query heads, the KV heads (or the ranks, when there are fewer KV heads) and the
         MLP's intermediate size must divide evenly. The vocabulary need not: it is padded."""
-        tp = self.tensor_parallel_size
+        tp, experts = self.tensor_parallel_size, moe_dims(hf_config)
         shard_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
-        divide(hf_config.intermediate_size, tp, "intermediate_size")
-        return ParallelConfig(tensor_parallel_size=tp)
+        if self.enable_expert_parallel and experts is None:
+            raise ValueError("enable_expert_parallel=True: this model has no experts (it is not a "
+                             "mixture of experts); leave enable_expert_parallel off")
+        if experts is None or not experts.has_dense_layers or not self.enable_expert_parallel:
+            divide(hf_config.intermediate_size, tp, "intermediate_size")
+        if experts is not None and self.enable_expert_parallel:
+            divide(experts.num_experts, tp, "num_experts")
+        elif experts is not None:
+            divide(experts.intermediate_size, tp, "moe_intermediate_size")
+        return ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=self.enable_expert_parallel)
 
     def _validate(self) -> None:
         """Every check of one option on its own, with what to change."""

@@ -114,6 +114,9 @@ class Engine:
             limits=config.structured_outputs_config, cache_bytes=envs.xgrammar_cache_bytes())
         self.output_processor = OutputProcessor(
             self.prompts.tokenizer, component(components, "detokenizer", IncrementalDetokenizer))
+        # Mixtures of experts: (token, expert) pairs each MoE layer routed to each expert,
+        # since the engine started ({layer index: [count per expert]}; LLM.get_metrics()).
+        self.expert_load: dict[str, list[int]] = {}
         self.tracer = StepTracer(self.scheduler, model_config.hf_config.vocab_size) if trace else None
         # Serving (AsyncLLM) sets a FaultIsolation here: a step's exception then fails
         # only the request at fault. Offline (None) it is raised, as vLLM's LLM does.
@@ -303,7 +306,11 @@ class Engine:
         self._forget_finished_grammars()
         if self.tracer is not None:
             self.tracer.record(plan, traced, core_outputs, stopped,
-                               sampled_token_ids=runner_output.sampled_token_ids)
+                               sampled_token_ids=runner_output.sampled_token_ids,
+                               expert_load=runner_output.expert_load)
+        for layer, counts in runner_output.expert_load.items():   # mixtures of experts
+            total = self.expert_load.setdefault(layer, [0] * len(counts))
+            self.expert_load[layer] = [a + b for a, b in zip(total, counts)]
         if self.debug_invariants:
             self.check_invariants()
         self.num_steps += 1

@@ -199,7 +199,8 @@ class Vector(Metric):
 
 
 def engine_metrics(engine) -> list[Metric]:
-    """A snapshot of an engine's gauges and speculative decoding counters (``LLM.get_metrics``)."""
+    """A snapshot of an engine's gauges, speculative decoding counters and, for a mixture of
+    experts, the tokens routed to each expert of each layer (``LLM.get_metrics``)."""
     scheduler = engine.scheduler
     metrics: list[Metric] = [
         Gauge(f"{PREFIX}num_requests_running", {}, len(scheduler.running)),
@@ -212,6 +213,9 @@ def engine_metrics(engine) -> list[Metric]:
                     Counter(f"{PREFIX}spec_decode_num_accepted_tokens", {}, stats.num_accepted_tokens),
                     Vector(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", {},
                            list(stats.num_accepted_tokens_per_pos))]
+    # Mixtures of experts: (token, expert) pairs routed to each expert, one vector per layer.
+    metrics += [Vector(f"{PREFIX}moe_expert_tokens", {"layer": layer}, list(counts))
+                for layer, counts in engine.expert_load.items()]
     return metrics
 
 

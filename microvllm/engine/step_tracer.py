@@ -79,10 +79,12 @@ class StepTracer:
         return scheduled
 
     def record(self, plan, scheduled: list[RequestStep], core_outputs, stopped: list[str],
-               step: int | None = None, sampled_token_ids: dict[str, list[int]] | None = None) -> None:
+               step: int | None = None, sampled_token_ids: dict[str, list[int]] | None = None,
+               expert_load: dict[str, list[int]] | None = None) -> None:
         """Append the step's record. ``stopped``: ids finished after ``update_from_output``
         (stop strings); ``step``: the step's number, by default one past the last record;
-        ``sampled_token_ids``: the runner's tokens (with drafts: the accepted ones + 1)."""
+        ``sampled_token_ids``: the runner's tokens (with drafts: the accepted ones + 1);
+        ``expert_load``: the runner's per-expert counts of a mixture-of-experts model."""
         if step is None:
             step = self.trace.steps[-1].step + 1 if self.trace.steps else 0
         scheduler, manager = self.scheduler, self.scheduler.kv_cache_manager
@@ -109,7 +111,8 @@ class StepTracer:
             free=[b.ref_cnt == 0 and not b.is_null for b in pool.blocks],
             num_free_blocks=pool.get_num_free_blocks(),
             new_tokens=new_tokens, allocated_blocks=allocated, freed_blocks=freed,
-            allowed_fraction=allowed_fractions(plan, self.vocab_size)))
+            allowed_fraction=allowed_fractions(plan, self.vocab_size),
+            expert_load=dict(expert_load or {})))
 
 
 def pool_changes(before: tuple[Tables, list[int]], after_schedule: tuple[Tables, list[int]],

@@ -241,7 +241,8 @@ class WorkerProc:
         platform = platform_for(config.device_config)
         platform.set_device(rank)   # one GPU per rank (nothing to do on a CPU)
         init_distributed_environment(world_size, rank, store_port, backend=platform.distributed_backend,
-                                     timeout_s=PROCESS_GROUP_TIMEOUT_S)
+                                     timeout_s=PROCESS_GROUP_TIMEOUT_S,
+                                     enable_expert_parallel=config.parallel_config.enable_expert_parallel)
         self.worker = Worker(config, eos_token_ids, platform, components)
 
     @staticmethod

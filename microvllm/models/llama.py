@@ -94,12 +94,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx, layout, backend, qk_norm):
+    def __init__(self, config, layer_idx, layout, backend, qk_norm, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, layout, backend, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp   # LlamaMLP, or a mixture of experts (qwen3_moe.py, mixtral.py)
 
     def forward(self, cos_sin, hidden, residual, kv_cache, metadata):
         """``residual`` is the residual stream (Hugging Face's ``hidden_states``), carried
@@ -126,13 +126,18 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.layout, backend, self.qk_norm)
+            LlamaDecoderLayer(config, i, self.layout, backend, self.qk_norm, self.make_mlp(config, i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tie_weights()
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward block: the dense MLP here; a mixture-of-experts
+        model returns its sparse block for some or all layers."""
+        return LlamaMLP(config)
 
     def get_kv_cache_spec(self, block_size: int) -> list[KVCacheSpec]:
         """What each layer's KV cache needs, as core's specs (vLLM's ``get_kv_cache_spec``);

@@ -33,6 +33,7 @@ from safetensors import safe_open
 
 from microvllm.config import resolve_dtype
 from microvllm.distributed import get_tensor_model_parallel_world_size
+from microvllm.layers.fused_moe.layer import expert_param_name
 from microvllm.layers.linear import check_shape
 from microvllm.layers.quantization import check_quantization, quantize_layers
 from microvllm.layers.quantization.int8 import Int8Config
@@ -99,6 +100,9 @@ def _quant_config(path: Path, quantization: str | None, model_cls, hf_config, dt
     """The ``QuantizationConfig`` the model loads with, or None for plain float weights."""
     gguf_file = gguf_weights_file(path)
     quantization = check_quantization(quantization, is_gguf=gguf_file is not None)
+    if quantization is not None and getattr(model_cls, "is_mixture_of_experts", False):
+        raise ValueError(f"quantization={quantization!r}: {model_cls.__name__}'s experts have no "
+                         "quantized path here; load the float checkpoint (quantization=None)")
     if quantization is not None and get_tensor_model_parallel_world_size() > 1:
         raise ValueError(f"quantization={quantization!r} runs in one process: use tensor_parallel_size=1")
     if quantization == "gguf":
@@ -164,8 +168,15 @@ def check_filled(model, params, filled, where) -> None:
 
 
 def _our_name(model, hf_name: str) -> tuple[str, int | str | None]:
-    """``model.layers.3.self_attn.k_proj.weight`` -> (``layers.3.self_attn.qkv_proj.weight``, "k")."""
+    """``model.layers.3.self_attn.k_proj.weight`` -> (``layers.3.self_attn.qkv_proj.weight``, "k");
+    one expert's matrix ``model.layers.1.mlp.experts.3.gate_proj.weight`` ->
+    (``layers.1.mlp.experts.w13_weight``, (3, "w1")) (``layers/fused_moe/layer.py``)."""
     name = hf_name.removeprefix("model.")
+    for theirs, ours in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(theirs, ours)
+    expert = expert_param_name(name)
+    if expert is not None:
+        return expert
     for fused, part, shard in model.stacked_params:
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard
@@ -173,12 +184,20 @@ def _our_name(model, hf_name: str) -> tuple[str, int | str | None]:
 
 
 def _expected_shards(model, params) -> dict[str, set]:
-    """Which shard ids must fill each parameter: all of its parts for a fused one, else {None}."""
+    """Which shard ids must fill each parameter: all of its parts for a fused one (every
+    expert's matrices for stacked experts: the module says), else {None}."""
     parts: dict[str, set] = {}
     for fused, _, shard in model.stacked_params:
         parts.setdefault(fused, set()).add(shard)
-    return {name: next((ids for fused, ids in parts.items() if f".{fused}." in name), {None})
-            for name in params}
+    expected = {}
+    for name in params:
+        prefix, _, short = name.rpartition(".")
+        module = model.get_submodule(prefix) if prefix else model
+        if hasattr(module, "checkpoint_shards"):
+            expected[name] = module.checkpoint_shards(short)
+        else:
+            expected[name] = next((ids for fused, ids in parts.items() if f".{fused}." in name), {None})
+    return expected
 
 
 def _copy_tensor(model, params, filled, hf_name, tensor, file) -> None:

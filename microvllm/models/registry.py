@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from microvllm.models.llama import LlamaForCausalLM
 from microvllm.models.mistral import MistralForCausalLM
+from microvllm.models.mixtral import MixtralForCausalLM
 from microvllm.models.qwen3 import Qwen3ForCausalLM
+from microvllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+
+
+def moe_dims(config):
+    """``MoEDims`` (``qwen3_moe.py``) for a mixture-of-experts config.json, None for a dense model."""
+    model_cls = resolve_model_class(config)
+    return model_cls.moe_dims(config) if getattr(model_cls, "is_mixture_of_experts", False) else None
 
 
 def resolve_model_class(config, where: str = "config.json"):

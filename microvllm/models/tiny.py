@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral")
 
 
 def tiny_config(arch: str = "llama", **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -30,6 +30,14 @@ def tiny_config(arch: str = "llama", **overrides):
         config = MistralConfig(**{**common, "sliding_window": 8, "head_dim": 16, **overrides})
     elif arch == "qwen3":
         config = Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True, **overrides})
+    elif arch == "qwen3_moe":   # 8 experts, top-2; layer 0 dense (mlp_only_layers), layer 1 sparse
+        config = Qwen3MoeConfig(**{**common, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                                   "mlp_only_layers": [0], "norm_topk_prob": True, **overrides})
+    elif arch == "mixtral":     # 4 experts, top-2, every layer sparse; Mistral's sliding window
+        config = MixtralConfig(**{**common, "intermediate_size": 32, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2, "sliding_window": 8, "head_dim": 16,
+                                  **overrides})
     else:
         raise ValueError(f"arch={arch!r}: choose one of {ARCHITECTURES}")
     return config

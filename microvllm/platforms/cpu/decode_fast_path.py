@@ -44,7 +44,8 @@ It applies to decode-only steps (every request computes one token) of up to
 ``AMX_MAX_ROWS`` (bfloat16) or ``VEC_MAX_ROWS`` (float32) requests, on a CPU whose
 projections have those kernels (or, for quantized weights, all of one format with a kernel
 in ``quantized_linear.cpp``: GGUF Q4_1 or Q8_0, int8, up to ``MAX_FUSED_ROWS`` requests), with
-the ``cpu`` attention backend, for Llama and Mistral layers (not Qwen3's per-head norms).
+the ``cpu`` attention backend, for Llama and Mistral layers (not Qwen3's per-head norms,
+nor mixtures of experts).
 Every other step runs the model.
 """
 
@@ -115,6 +116,8 @@ def unsupported_reason(model) -> str | None:
         return "the model is not on a CPU"
     if model.qk_norm:
         return "per-head query / key norms (Qwen3) are not in the fast path's layer"
+    if getattr(model, "is_mixture_of_experts", False):
+        return "mixture-of-experts layers are not in the fast path's layer (it runs one dense MLP)"
     for library in ("norm_rope", "activation", "paged_attention", "decode_layers"):
         reason = kernels.status(library)
         if reason is not None:
