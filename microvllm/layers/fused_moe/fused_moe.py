@@ -47,11 +47,8 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
     num_pairs = num_tokens * top_k
-    # The bookkeeping runs in torch on the CPU (moe_align_block_size makes its tensors
-    # there; vLLM has a CUDA kernel for it); only the two index tensors go to the GPU.
-    routing = moe_align_block_size(topk_ids.cpu(), block_size_m, num_experts)
-    routing = routing._replace(sorted_token_ids=routing.sorted_token_ids.to(hidden.device),
-                               expert_ids=routing.expert_ids.to(hidden.device))
+    # The bookkeeping in plain torch, on the ids' device (vLLM has a CUDA kernel for it).
+    routing = moe_align_block_size(topk_ids, block_size_m, num_experts)
     weights = topk_weights.to(device=hidden.device, dtype=torch.float32).contiguous().view(-1)
 
     # A pair routed to no local expert (-1) is in no block, so neither launch touches its

@@ -48,7 +48,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     kept = flat >= 0
     counts = torch.bincount(flat[kept], minlength=num_experts)           # [E] pairs per expert
     padded = (counts + block_size - 1) // block_size * block_size        # [E] rows per expert
-    expert_offsets = torch.zeros(num_experts + 1, dtype=torch.long)
+    device = flat.device   # everything on the ids' device (a GPU kernel reads these tensors)
+    expert_offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     expert_offsets[1:] = torch.cumsum(padded, 0)
     total = int(expert_offsets[-1])
     # The pairs in expert order. Left-out pairs sort last (key num_experts) and are cut off.
@@ -56,8 +57,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     experts = flat[order]
     # Each pair's place: its expert's run start + its rank among that expert's pairs.
     unpadded_starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(order.numel()) - unpadded_starts[experts]
-    sorted_token_ids = torch.full((total,), num_pairs, dtype=torch.long)
+    rank = torch.arange(order.numel(), device=device) - unpadded_starts[experts]
+    sorted_token_ids = torch.full((total,), num_pairs, dtype=torch.long, device=device)
     sorted_token_ids[expert_offsets[experts] + rank] = order
-    expert_ids = torch.repeat_interleave(torch.arange(num_experts), padded // block_size)
+    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=device), padded // block_size)
     return AlignedRouting(sorted_token_ids, expert_ids, total, expert_offsets)

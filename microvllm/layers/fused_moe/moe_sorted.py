@@ -7,7 +7,9 @@ contiguous run of rows (the permutation of ``moe_align_block_size.py``)::
     out [T, H] <──scatter-add y * weight back to each pair's token
 
 Same arithmetic as step (a), in the same order (each token's experts are added in expert
-order): the result is the same to the last bit. What changes is the bookkeeping — one
+order): in float32 the result is the same to the last bit (``tests/layers/``; in bfloat16
+with k > 2 it may differ in the last bit: step (a) rounds the running sum after each
+expert, ``index_add_`` here adds a token's k rows before it rounds). What changes is the bookkeeping — one
 sort instead of ``E`` scans of ``topk_ids`` — and the layout: every expert's rows are
 contiguous, which is what a single fused kernel needs (step (c), ``fused_moe.py``, pads
 each run to its block size and runs all experts in one launch).
