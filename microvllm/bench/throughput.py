@@ -25,6 +25,7 @@ decode-only step at batch 1 and at batch 32 (``llm.engine.step()`` timed by hand
 Workload ``prefix``: requests that share a long system prompt, with prefix caching
 off and on: prefill tokens computed (prompt tokens minus ``num_cached_tokens``) and
 time. ``--workload all`` (default) runs both; ``--quick`` is a small version for CI.
+``--workload moe``: a random mixture of experts, its three expert loops side by side (bench/moe.py).
 Greedy token ids of microvllm and HF are compared and reported, never asserted.
 """
 
@@ -628,10 +629,12 @@ def parse_args(argv):
     parser.add_argument("--model", default=None,
                         help="a Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--workload", default=None, choices=["random", "prefix", "all", "spec", "quantization"],
+    parser.add_argument("--workload", default=None,
+                        choices=["random", "prefix", "all", "spec", "quantization", "moe"],
                         help="all (random + prefix); spec: with and without --speculative-config "
                              "(the default when it is given); quantization: the embedded model as f32 / "
-                             "int8 / Q4_1 side by side (bench/quantized.py)")
+                             "int8 / Q4_1 side by side (bench/quantized.py); moe: a random mixture of experts, "
+                             "its expert loops and the engine with each (bench/moe.py, its own options)")
     parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                         help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\': compare decoding '
                              "with and without it (bench/spec_decode.py)")
@@ -704,7 +707,12 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--workload=moe" or (a == "--workload" and argv[i + 1:i + 2] == ["moe"])
+           for i, a in enumerate(argv)):
+        from microvllm.bench.moe import main as moe_main  # options of its own
+        return moe_main(argv)
+    args = parse_args(argv)
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

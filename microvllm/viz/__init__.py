@@ -10,6 +10,11 @@
     plot_timeline(trace, step=None)  the whole run: tokens per step, budget, free blocks, preemptions
     plot_step(trace, step)           all of the above in one figure
     plot_decoder_layer(model)        one decoder layer's data flow with the model's shapes (no trace)
+    plot_expert_load(trace, layer=None, step=None)
+                                     a mixture-of-experts layer: pairs routed to each expert per step
+                                     (heat map), each expert's share of the run against 1/E
+    expert_parallel_imbalance(trace, layer, num_ranks)
+                                     per step, the busiest expert-parallel rank's pairs / the mean rank's
     StepExplorer(llm_or_trace)       Play button + slider over the steps (ipywidgets);
                                      preset="projector" and scale=1.5 for a big screen
     demo_trace(kind)                 small traces from the real scheduler, no model needed
@@ -24,11 +29,13 @@ from microvllm.viz.block_table import plot_block_tables
 from microvllm.viz.colors import request_colors
 from microvllm.viz.decoder_layer import plot_decoder_layer
 from microvllm.viz.demo import demo_trace, large_demo_trace
+from microvllm.viz.expert_load import expert_parallel_imbalance, plot_expert_load
 from microvllm.viz.explorer import StepExplorer
 from microvllm.viz.queues import plot_queues
 from microvllm.viz.step_figure import plot_step
 from microvllm.viz.summary import describe_step
 from microvllm.viz.timeline import plot_timeline
 
-__all__ = ["StepExplorer", "demo_trace", "describe_step", "large_demo_trace", "plot_batch", "plot_block_pool",
-           "plot_block_tables", "plot_decoder_layer", "plot_queues", "plot_step", "plot_timeline", "request_colors"]
+__all__ = ["StepExplorer", "demo_trace", "describe_step", "expert_parallel_imbalance", "large_demo_trace",
+           "plot_batch", "plot_block_pool", "plot_block_tables", "plot_decoder_layer", "plot_expert_load",
+           "plot_queues", "plot_step", "plot_timeline", "request_colors"]
