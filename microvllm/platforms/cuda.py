@@ -86,5 +86,12 @@ class CudaPlatform(Platform):
             logger.info("CUDA graphs off: attention_backend=%r reads host values each step; "
                         "use attention_backend='triton' to capture decode steps", backend.name)
             return None
+        if getattr(model, "is_mixture_of_experts", False):
+            # Routing sizes are data-dependent: moe_align_block_size reads how many rows each
+            # expert got on the host, which a captured graph cannot replay (vLLM pads to the
+            # most rows possible and keeps the counts on the device).
+            logger.info("CUDA graphs off: the mixture-of-experts layers size their work from "
+                        "each step's routing")
+            return None
         max_model_len = max_model_len or model.config.max_position_embeddings
         return CUDAGraphWrapper(model, cudagraph_capture_sizes(max_num_seqs), max_model_len=max_model_len)

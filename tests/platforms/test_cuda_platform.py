@@ -92,6 +92,10 @@ def test_cuda_graphs_only_with_the_triton_backend_and_not_eager():
     assert runner.capture_sizes == [1, 2, 4, 8, 16] and runner.max_model_len == 128
     assert CudaPlatform(enforce_eager=True).decode_step_runner(_model_on("triton"), max_num_seqs=20) is None
     assert CudaPlatform().decode_step_runner(_model_on("torch"), max_num_seqs=20) is None
+    # A mixture of experts sizes each step's work from its routing: no graph can replay that.
+    moe = _model_on("triton")
+    moe.is_mixture_of_experts = True
+    assert CudaPlatform().decode_step_runner(moe, max_num_seqs=20) is None
 
 
 def test_engine_args_settle_auto_with_the_platform_and_pass_the_gpu_fraction(tiny_models):
