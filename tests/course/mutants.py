@@ -159,3 +159,53 @@ def sampling_rule_mutants() -> dict:
     # the copy returns the package's ModelInputs (the checker tests isinstance)
     return {name: mutant(model_runner_module, replacements, ModelInputs=model_runner_module.ModelInputs).ModelRunner
             for name, replacements in bugs.items()}
+
+
+# ------------------------------------------------- exercise 17: moe_align_block_size
+
+import importlib  # noqa: E402
+
+# (the package's __init__ exports the function under the module's name: import the module itself)
+moe_align_module = importlib.import_module("microvllm.layers.fused_moe.moe_align_block_size")
+
+_PLACE = "    sorted_token_ids[expert_offsets[experts] + rank] = order\n"
+_RETURN = "    return AlignedRouting(sorted_token_ids, expert_ids, total, expert_offsets)\n"
+
+
+def align_stopping_at_an_empty_expert(topk_ids, block_size, num_experts):
+    """A loop over experts that stops (``break``) at the first expert with no pairs: the
+    pairs of every expert after it are lost, and so are their offsets."""
+    import torch
+
+    flat = topk_ids.flatten().tolist()
+    pad = len(flat)
+    sorted_ids, expert_ids, offsets = [], [], [0]
+    for expert in range(num_experts):
+        pairs = [i for i, e in enumerate(flat) if e == expert]
+        if not pairs:
+            break
+        rows = -(-len(pairs) // block_size) * block_size
+        sorted_ids += pairs + [pad] * (rows - len(pairs))
+        expert_ids += [expert] * (rows // block_size)
+        offsets.append(offsets[-1] + rows)
+    offsets += [offsets[-1]] * (num_experts + 1 - len(offsets))
+    return moe_align_module.AlignedRouting(torch.tensor(sorted_ids, dtype=torch.long),
+                                           torch.tensor(expert_ids, dtype=torch.long), offsets[-1],
+                                           torch.tensor(offsets, dtype=torch.long))
+
+
+def moe_align_mutants() -> dict:
+    """name -> a wrong ``moe_align_block_size``."""
+    bugs = {
+        # torch's default sort: equal expert ids may come out in any order
+        "unstable sort": [("stable=True", "stable=False")],
+        # expert_offsets[e] holds where expert e's run ends, not where it starts
+        "offsets one entry early": [(_RETURN, _RETURN.replace(
+            "expert_offsets)", "torch.cat([expert_offsets[1:], expert_offsets[-1:]]))"))],
+        # pairs packed back to back (unpadded starts): a run spills into the next expert's block
+        "padding overlaps the next expert": [(_PLACE, _PLACE.replace("expert_offsets[experts]",
+                                                                     "unpadded_starts[experts]"))],
+    }
+    found = {name: mutant(moe_align_module, replacements).moe_align_block_size for name, replacements in bugs.items()}
+    found["tokens dropped after an expert with no pairs"] = align_stopping_at_an_empty_expert
+    return found

@@ -99,6 +99,9 @@ def test_solution_plugs_into_the_engine_with_hf_identical_tokens(name, tiny_llam
     if name == "16_q4_1_blocks":   # a GGUF of the tiny Llama, enforce_eager=True: every Linear calls it
         _gguf_with_the_solution_dequantization(tiny_llama, tmp_path, module.dequantize_q4_1)
         return
+    if name == "17_moe_align":   # a tiny Qwen3-MoE whose sorted experts call it at every step
+        _qwen3_moe_with_the_solution_alignment(tmp_path, module.moe_align_block_size)
+        return
     components, settings, uses_it = _components(name, module)
     prompts = varied_prompts(512, count=6, seed=3, max_len=40)
     if name == "06_decode_kernel":  # Triton's interpreter is slow: fewer, shorter prompts
@@ -142,6 +145,31 @@ def _gguf_with_the_solution_dequantization(tiny_llama, tmp_path, dequantize_q4_1
         gguf_format.DEQUANTIZE["Q4_1"] = package
     assert calls, "the engine did not call the solution's dequantize_q4_1"
     assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def _qwen3_moe_with_the_solution_alignment(tmp_path, moe_align_block_size):
+    """A tiny Qwen3-MoE, "sorted" experts at 4 rows per block (so every run is padded), with the
+    solution's moe_align_block_size: Hugging Face's greedy tokens, and the solution's is called."""
+    import functools
+
+    import microvllm.layers.fused_moe.layer as moe_layer
+    import microvllm.layers.fused_moe.moe_sorted as moe_sorted
+    from microvllm.models.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=17)
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MICROVLLM_MOE_IMPL", "sorted")
+        patch.setitem(moe_layer.EXPERT_FUNCTIONS, "sorted",
+                      functools.partial(moe_sorted.fused_moe_sorted, block_size=4))
+        patch.setattr(moe_sorted, "moe_align_block_size",
+                      lambda *args: calls.append(1) or moe_align_block_size(*args))
+        llm = LLM(str(folder), enforce_eager=True, max_model_len=128)
+        prompts = varied_prompts(512, count=6, seed=3, max_len=40)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert calls, "the engine did not call the solution's moe_align_block_size"
+    for prompt, out in zip(prompts, outs):
+        assert tuple(out.outputs[0].token_ids) == hf_greedy(str(folder), tuple(prompt), MAX_TOKENS)
 
 
 def test_text_through_the_solution_detokenizer_matches(tiny_llama, tmp_path):
