@@ -180,7 +180,10 @@ def expert_param_name(name: str) -> tuple[str, tuple[int, str]] | None:
 
 def moe_layers(model: nn.Module) -> dict[str, FusedMoE]:
     """The model's ``FusedMoE`` layers by decoder layer index (a string, as in the JSON
-    trace): ``{"1": layers.1.mlp.experts, ...}``; empty for a dense model."""
+    trace): ``{"1": layers.1.mlp.experts, ...}``; empty for a dense model (or a stand-in
+    that is no ``nn.Module``, as the course's fakes are)."""
+    if not isinstance(model, nn.Module):
+        return {}
     return {_layer_index(name): module for name, module in model.named_modules()
             if isinstance(module, FusedMoE)}
 

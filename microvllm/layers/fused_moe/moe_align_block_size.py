@@ -45,6 +45,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     num_pairs = flat.numel()
     if num_pairs and int(flat.max()) >= num_experts:
         raise ValueError(f"topk_ids holds expert {int(flat.max())} but there are {num_experts} experts")
+    ### BEGIN SOLUTION
     kept = flat >= 0
     counts = torch.bincount(flat[kept], minlength=num_experts)           # [E] pairs per expert
     padded = (counts + block_size - 1) // block_size * block_size        # [E] rows per expert
@@ -62,3 +63,4 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     sorted_token_ids[expert_offsets[experts] + rank] = order
     expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=device), padded // block_size)
     return AlignedRouting(sorted_token_ids, expert_ids, total, expert_offsets)
+    ### END SOLUTION
