@@ -44,6 +44,7 @@ from microvllm.checks.structured_output import check_token_trie
 __all__ = [
     "CheckFailure", "CheckResult", "check_block_pool", "check_q4_1", "check_decode_kernel", "check_detokenizer",
     "check_find_stop_string", "check_free_block_queue", "check_get_computed_blocks",
-    "check_hash_block_tokens", "check_moe_align", "check_prepare_inputs", "check_rejection_sampler", "check_sampler", "check_scheduler",
+    "check_hash_block_tokens", "check_moe_align",
+    "check_prepare_inputs", "check_rejection_sampler", "check_sampler", "check_scheduler",
     "check_slot_mapping", "check_token_trie", "run_engine_with", "run_gguf_with", "run_moe_with",
 ]

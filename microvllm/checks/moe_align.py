@@ -19,8 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from microvllm.checks.report import (Case, CheckFailure, CheckResult, not_implemented_message, property_settings,
-                                     run_checks, run_property)
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    not_implemented_message,
+    property_settings,
+    run_checks,
+    run_property,
+)
 
 FIELDS = "AlignedRouting(sorted_token_ids, expert_ids, num_tokens_post_padded, expert_offsets)"
 

@@ -20,8 +20,8 @@ from microvllm.distributed.communication_op import (
 from microvllm.distributed.parallel_state import (
     GroupCoordinator,
     destroy_distributed_environment,
-    get_tensor_model_parallel_rank,
     get_ep_group,
+    get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     get_tp_group,
     init_distributed_environment,

@@ -12,7 +12,8 @@ from microvllm.models.tiny import make_tiny_model
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_models")
-    return {arch: make_tiny_model(root / arch, arch, seed=7) for arch in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral")}
+    archs = ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral")
+    return {arch: make_tiny_model(root / arch, arch, seed=7) for arch in archs}
 
 
 @functools.lru_cache(maxsize=None)

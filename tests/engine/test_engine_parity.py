@@ -36,7 +36,8 @@ def run_and_compare(folder, prompts, **settings):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_tiny_models(tiny_models, arch, setting):
-    prompts = varied_prompts(512, seed={"llama": 11, "mistral": 12, "qwen3": 13, "qwen3_moe": 14, "mixtral": 15}[arch])   # hash(str) varies per run
+    seeds = {"llama": 11, "mistral": 12, "qwen3": 13, "qwen3_moe": 14, "mixtral": 15}   # hash(str) varies per run
+    prompts = varied_prompts(512, seed=seeds[arch])
     llm = run_and_compare(tiny_models[arch], prompts, **SETTINGS[setting])
     trace = llm.trace
     if setting == "preemption":

@@ -117,16 +117,16 @@ def test_shards_sum_to_the_whole_layer():
     """Tensor parallel (each expert's columns split) and expert parallel (whole experts
     split) shards, built as each rank would build them, add up to the one-process layer."""
     torch.manual_seed(0)
-    E, k, H, I, T = 4, 2, 16, 8, 9
-    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    E, k, H, inter, T = 4, 2, 16, 8, 9
+    w13, w2 = torch.randn(E, 2 * inter, H), torch.randn(E, H, inter)
     hidden, logits = torch.randn(T, H), torch.randn(T, E)
     weights, ids = select_experts(logits, k, renormalize=True)
     whole = fused_moe_iterative(hidden, w13, w2, weights, ids)
 
     def loaded(layer):
         for e in range(E):
-            layer.weight_loader(layer.w13_weight, w13[e, :I], (e, "w1"))
-            layer.weight_loader(layer.w13_weight, w13[e, I:], (e, "w3"))
+            layer.weight_loader(layer.w13_weight, w13[e, :inter], (e, "w1"))
+            layer.weight_loader(layer.w13_weight, w13[e, inter:], (e, "w3"))
             layer.weight_loader(layer.w2_weight, w2[e], (e, "w2"))
         return layer
 
@@ -134,13 +134,13 @@ def test_shards_sum_to_the_whole_layer():
         total = torch.zeros_like(whole)
         for rank in range(2):
             with as_rank(2, rank, enable_expert_parallel=expert_parallel):
-                layer = loaded(FusedMoE(E, k, H, I, renormalize=True))
+                layer = loaded(FusedMoE(E, k, H, inter, renormalize=True))
             if expert_parallel:
-                assert layer.w13_weight.shape == (2, 2 * I, H)
+                assert layer.w13_weight.shape == (2, 2 * inter, H)
                 assert layer.expert_map().tolist() == ([0, 1, -1, -1] if rank == 0 else [-1, -1, 0, 1])
                 local_ids = layer.expert_map()[ids]
             else:
-                assert layer.w13_weight.shape == (E, I, H)
+                assert layer.w13_weight.shape == (E, inter, H)
                 local_ids = ids
             total += layer.run_experts(hidden, weights, local_ids)
         assert torch.allclose(total, whole, atol=1e-5), f"expert_parallel={expert_parallel}"

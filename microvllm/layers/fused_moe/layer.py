@@ -53,7 +53,7 @@ MOE_IMPLS = ("iterative", "sorted", "triton")
 
 
 def _fused_experts_triton(*args):
-    from microvllm.layers.fused_moe.fused_moe import fused_experts   # imports triton
+    from microvllm.layers.fused_moe.fused_moe import fused_experts  # imports triton
     return fused_experts(*args)
 
 
