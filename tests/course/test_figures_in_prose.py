@@ -1,6 +1,6 @@
 """A sentence that quotes a measured figure must be computed from the measurement.
 
-In the optional chapters that time things (14-16), a markdown cell that says "1.2x" or
+In the optional chapters that time things (14-17), a markdown cell that says "1.2x" or
 "24-30 ms" next to an output that printed 1.44x teaches the wrong thing on the next
 machine. So: every *figure* in a markdown cell of those notebooks must appear in the
 source or the stored output of a code cell near it (the two code cells before it and
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("1[4-6]_*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("1[4-7]_*.ipynb"))
 UNIT = r"(?:x|×|ms|us|µs|s|%|tok/s|tokens/s|MB|GB|MiB|GiB|KiB|GB/s)"
 FIGURE = re.compile(rf"(?<![\w.§])(\d+(?:[.,]\d+)?)\s?{UNIT}(?![\w/])|(?<![\w.§])(\d+\.\d+)(?![\w.])")
 NEAR = 2   # code cells on each side
