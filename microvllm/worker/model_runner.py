@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 
 from microvllm.attention.metadata import AttentionMetadata
-from microvllm.layers.fused_moe.layer import moe_layers, take_expert_load
 from microvllm.sample.logprobs import LogprobsLists, compute_logprobs, gather_logprobs, prompt_logprobs_of_chunk
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
@@ -56,7 +55,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)          # one row per token
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)   # this chunk's rows
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)        # drafts for next step
-    expert_load: dict[str, list[int]] = field(default_factory=dict)  # MoE layer -> pairs per expert
+    expert_load: dict[str, list[int]] = field(default_factory=dict)  # MoE layer -> pairs per expert (Worker)
 
 
 @dataclass
@@ -104,8 +103,6 @@ class ModelRunner:
         # The platform's runner for decode-only steps (the CPU's decode fast path; CUDA
         # graphs on a GPU), or None (enforce_eager=True, or none applies here).
         self.decode_step_runner = decode_step_runner
-        self.moe_layers = moe_layers(model)   # {} for a dense model
-        take_expert_load(self.moe_layers)     # forget what the profile run routed
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -235,13 +232,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, plan) -> ModelRunnerOutput:
-        output = self._execute_model(plan)
-        # Mixture-of-experts layers count what their routers chose; this step's counts
-        # travel with its output (for the step trace and LLM.get_metrics()).
-        output.expert_load = take_expert_load(self.moe_layers)
-        return output
-
-    def _execute_model(self, plan) -> ModelRunnerOutput:
         self._update_states(plan)
         if plan.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {})

@@ -27,6 +27,7 @@ from microvllm.attention.selector import get_attention_backend
 from microvllm.config import EngineConfig
 from microvllm.config.components import component
 from microvllm.distributed.parallel_state import CommunicationStats, get_tp_group
+from microvllm.layers.fused_moe.layer import moe_layers, take_expert_load
 from microvllm.models.loader import load_model
 from microvllm.platforms import Platform
 from microvllm.sample.rejection_sampler import RejectionSampler
@@ -93,6 +94,8 @@ class Worker:
             rejection_sampler_class=component(components, "rejection_sampler", RejectionSampler),
             disable_by_batch_size=getattr(self.config.speculative_config, "disable_by_batch_size", None))
         self.platform.process_weights_after_loading(self.model_runner.sampler)
+        self.moe_layers = moe_layers(self.model)   # {} for a dense model
+        take_expert_load(self.moe_layers)          # forget what the profile run routed
 
     def _make_drafter(self, num_blocks: int):
         """The speculative config's proposer (None when speculative decoding is off)."""
@@ -121,7 +124,11 @@ class Worker:
                                   shares_target_kv=False)
 
     def execute_model(self, scheduler_output):
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        # Mixture-of-experts layers count what their routers chose: this step's counts
+        # travel with its output (the step trace, LLM.get_metrics()).
+        output.expert_load = take_expert_load(self.moe_layers)
+        return output
 
     def communication_stats(self) -> CommunicationStats:
         """This rank's collectives so far: time, count, bytes (all zero in one process)."""

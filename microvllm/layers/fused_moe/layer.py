@@ -142,16 +142,16 @@ class FusedMoE(CustomOp):
 
     def _count(self, topk_ids: torch.Tensor) -> None:
         flat = topk_ids.flatten()
-        if self.expert_load is None or self.expert_load.device != flat.device:
+        if self.expert_load is None:
             self.expert_load = torch.zeros(self.global_num_experts, dtype=torch.long, device=flat.device)
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))
 
     def take_expert_load(self) -> list[int]:
-        """Pairs routed to each expert since the last call (then zeroed)."""
+        """Pairs routed to each expert since the last call (then forgotten: the next
+        forward starts a fresh count)."""
         if self.expert_load is None:
             return [0] * self.global_num_experts
-        counts = self.expert_load.tolist()
-        self.expert_load.zero_()
+        counts, self.expert_load = self.expert_load.tolist(), None
         return counts
 
     def extra_repr(self) -> str:
