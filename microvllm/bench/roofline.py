@@ -14,6 +14,11 @@ FLOPs of a step (every matrix product, multiply-add = 2 FLOPs)::
 Bytes a step must read: the weights once (body + lm_head), plus, for every request
 in the batch, the K and V of every position it attends to, in every layer.
 
+A mixture of experts (``layers/fused_moe/``) prices its experts apart from the body: each
+token computes with k of E experts (FLOPs: 2 x expert parameters x k/E per token), and a
+step reads the experts its tokens touched, E(1 - (1 - k/E)^T) of them for T tokens if the
+router spread tokens evenly (a real router is less even, so fewer are touched).
+
 The step's floor is max(compute, memory): a step can overlap the two, never beat
 either. Python, kernel launches, small ops and cache misses all come on top.
 ``StepCost`` is what `microvllm bench throughput` sums over a recorded trace.
@@ -46,6 +51,9 @@ class ModelCost:
     lm_head_params: int       # vocab x hidden, tied or not
     element_size: int         # bytes per weight / KV element in the run's dtype
     sliding_window: int | None = None
+    expert_params: int = 0      # a mixture of experts: every expert of every layer (not in body)
+    num_experts: int = 0
+    experts_per_token: int = 0  # k, config.json's num_experts_per_tok
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: torch.dtype) -> "ModelCost":
@@ -53,10 +61,12 @@ class ModelCost:
         config = json.loads((folder / "config.json").read_text())
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        body = embedding = 0
+        body = embedding = experts = 0
         for shape_name, numel in _safetensors_numels(folder):
             if shape_name.endswith(EMBEDDING_NAMES):
                 embedding += numel
+            elif ".experts." in shape_name:
+                experts += numel
             else:
                 body += numel
         return cls(num_layers=config["num_hidden_layers"], num_heads=heads,
@@ -65,15 +75,25 @@ class ModelCost:
                    body_params=body, embedding_params=embedding,
                    lm_head_params=config["vocab_size"] * config["hidden_size"],
                    element_size=torch.finfo(dtype).bits // 8,
-                   sliding_window=config.get("sliding_window"))
+                   sliding_window=config.get("sliding_window"), expert_params=experts,
+                   num_experts=config.get("num_experts") or config.get("num_local_experts") or 0,
+                   experts_per_token=config.get("num_experts_per_tok") or 0)
 
     @property
     def num_params(self) -> int:
-        return self.body_params + self.embedding_params
+        return self.body_params + self.embedding_params + self.expert_params
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected fraction of the experts that ``tokens`` tokens route to, were the router
+        uniform: 1 - (1 - k/E)^T (0 for a dense model)."""
+        if not self.num_experts:
+            return 0.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** tokens
 
     @property
     def weight_bytes(self) -> int:
-        """Weights a step reads in full: the body and lm_head (embedding rows are a lookup)."""
+        """Weights a step reads in full: the body and lm_head (embedding rows are a lookup;
+        a mixture of experts reads the experts its tokens touched on top: ``step_cost``)."""
         return (self.body_params + self.lm_head_params) * self.element_size
 
     def kv_bytes_per_token(self) -> int:
@@ -97,10 +117,13 @@ class ModelCost:
         """``chunks``: (tokens computed this step, tokens computed before) per request."""
         tokens = sum(q for q, _ in chunks)
         linear = 2.0 * self.body_params * tokens + 2.0 * self.lm_head_params * num_logit_rows
+        if self.num_experts:
+            linear += 2.0 * self.expert_params * self.experts_per_token / self.num_experts * tokens
         attention = sum(self.attention_flops(q, before + q) for q, before in chunks)
         window = self.sliding_window
         attended = sum(min(before + q, window) if window else before + q for q, before in chunks)
         weights = self.weight_bytes if num_logit_rows else self.body_params * self.element_size
+        weights += self.expert_params * self.experts_touched(tokens) * self.element_size
         return StepCost(tokens=tokens, logit_rows=num_logit_rows, linear_flops=linear,
                         attention_flops=attention,
                         bytes_read=weights + attended * self.kv_bytes_per_token())
