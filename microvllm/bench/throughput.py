@@ -708,10 +708,6 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a == "--workload=moe" or (a == "--workload" and argv[i + 1:i + 2] == ["moe"])
-           for i, a in enumerate(argv)):
-        from microvllm.bench.moe import main as moe_main  # options of its own
-        return moe_main(argv)
     args = parse_args(argv)
     threads = torch.get_num_threads()
     if args.threads is not None:
@@ -728,6 +724,9 @@ def _run(args) -> int:
     if args.workload == "quantization":   # bench/quantized.py, which uses this module's parts
         raise ValueError("--workload quantization runs as `microvllm bench throughput --workload quantization` "
                          "(or python -m microvllm.bench.quantized)")
+    if args.workload == "moe":   # bench/moe.py, which uses this module's parts, with options of its own
+        raise ValueError("--workload moe runs as `microvllm bench throughput --workload moe` "
+                         "(or python -m microvllm.bench.moe)")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if args.model is None:

@@ -74,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _workload(args: list[str]) -> str | None:
+    """The value of ``--workload`` (or ``--workload=...``) among ``args``."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--workload="):
+            return arg.partition("=")[2]
+        if arg == "--workload" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Commands with parsers of their own get the rest of the line untouched (argparse's
@@ -89,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  ["attention"], ["gpu"]):
         if argv[1] == "throughput" and "quantization" in argv[2:]:   # --workload quantization
             from microvllm.bench.quantized import main as bench_main
+        elif argv[1] == "throughput" and _workload(argv[2:]) == "moe":   # its own options
+            from microvllm.bench.moe import main as bench_main
         elif argv[1] == "throughput":
             from microvllm.bench.throughput import main as bench_main
         elif argv[1] == "serve":

@@ -4,13 +4,13 @@ every engine run's greedy token ids agree with Hugging Face's. No timing is asse
 import os
 import re
 
-from microvllm.bench import throughput
+from microvllm.cli.main import main as cli_main
 from microvllm.bench.moe import moe_impl
 
 
 def test_quick_prints_the_table_and_agreement(capsys, monkeypatch):
     monkeypatch.setenv("MICROVLLM_MOE_IMPL", "iterative")      # the bench sets and restores it
-    assert throughput.main(["--workload", "moe", "--quick", "--threads", "1"]) == 0
+    assert cli_main(["bench", "throughput", "--workload", "moe", "--quick", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     for pattern in [
         r"^microvllm bench throughput --workload moe: qwen3_moe, 8 experts, top-2, 2 layers, hidden 128, "
