@@ -4,8 +4,8 @@ every engine run's greedy token ids agree with Hugging Face's. No timing is asse
 import os
 import re
 
-from microvllm.cli.main import main as cli_main
 from microvllm.bench.moe import moe_impl
+from microvllm.cli.main import main as cli_main
 
 
 def test_quick_prints_the_table_and_agreement(capsys, monkeypatch):
