@@ -77,7 +77,7 @@ class Server:
         import httpx
 
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        match = re.search(r"^microvllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)
+        match = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)
         return float(match.group(1)) if match else float("nan")
 
     def stop(self) -> None:

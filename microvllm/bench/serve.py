@@ -168,7 +168,7 @@ def spec_decode_counters(base_url: str) -> tuple[int, int, int] | None:
     values = {}
     for line in text.splitlines():
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            if line.startswith(f"microvllm:spec_decode_{name}_total{{"):
+            if line.startswith(f"vllm:spec_decode_{name}_total{{"):
                 values[name] = int(float(line.rsplit(" ", 1)[1]))
     if len(values) < 3:
         return None

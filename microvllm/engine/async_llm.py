@@ -324,7 +324,8 @@ class AsyncLLM:
     def _update_gauges(self) -> None:
         scheduler = self.engine.scheduler
         self.metrics.set_gauges(len(scheduler.running), len(scheduler.waiting),
-                                self.engine.kv_cache_manager.usage)
+                                self.engine.kv_cache_manager.usage,
+                                self.engine.prefix_cache_queries, self.engine.prefix_cache_hits)
         if self.engine.config.speculative_config is not None:
             self.metrics.set_spec_decoding(scheduler.spec_decoding_stats)
 

@@ -117,6 +117,9 @@ class Engine:
         # Mixtures of experts: (token, expert) pairs each MoE layer routed to each expert,
         # since the engine started ({layer index: [count per expert]}; LLM.get_metrics()).
         self.expert_load: dict[str, list[int]] = {}
+        # Prefix caching, vLLM's counters: tokens looked up when requests were admitted (or
+        # resumed after a preemption), and how many of them were found cached.
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.tracer = StepTracer(self.scheduler, model_config.hf_config.vocab_size) if trace else None
         # Serving (AsyncLLM) sets a FaultIsolation here: a step's exception then fails
         # only the request at fault. Offline (None) it is raised, as vLLM's LLM does.
@@ -281,6 +284,9 @@ class Engine:
         if self.fault_isolation is not None:
             self.fault_isolation.limit_admissions(self.scheduler)
         plan = self._with_grammar_bitmask(self.scheduler.schedule())
+        for request_id, num_hit_tokens in plan.num_prefix_hit_tokens.items():
+            self.prefix_cache_queries += self.scheduler.requests[request_id].num_tokens
+            self.prefix_cache_hits += num_hit_tokens
         traced = self.tracer.begin(plan) if self.tracer is not None else None
         try:
             runner_output = self.executor.execute_model(plan)

@@ -1,5 +1,8 @@
-"""Serving metrics in Prometheus' text format, with vLLM's names under ``microvllm:``
-(vLLM: ``v1/metrics/loggers.py``, ``PrometheusStatLogger``).
+"""Serving metrics in Prometheus' text format, with vLLM's names (vLLM:
+``v1/metrics/loggers.py``, ``PrometheusStatLogger``): ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_hits``, ..., so that routers and
+dashboards written for vLLM (vLLM Router's load reading, Grafana boards) read ours. A metric
+vLLM does not have keeps the ``microvllm:`` prefix (``microvllm:moe_expert_tokens``).
 
     request arrives ─── queue ─── first token ── token ── token ── ... ── finished
     |<──── time_to_first_token ────>|<─ inter_token ─>|
@@ -21,7 +24,8 @@ from dataclasses import dataclass, field
 
 from microvllm.core.spec_decode_stats import SpecDecodingStats
 
-PREFIX = "microvllm:"
+PREFIX = "vllm:"             # a metric vLLM has, with vLLM's name and meaning
+OWN_PREFIX = "microvllm:"    # one it does not
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -69,6 +73,8 @@ class ServingMetrics:
         self.num_requests_running = 0
         self.num_requests_waiting = 0
         self.kv_cache_usage_perc = 0.0
+        self.prefix_cache_queries = 0   # prompt tokens looked up in the prefix cache (at admission)
+        self.prefix_cache_hits = 0      # of those, tokens found cached
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.request_success_total: dict[str, int] = {}
@@ -116,10 +122,13 @@ class ServingMetrics:
             self.spec_decoding = dataclasses.replace(
                 stats, num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos))
 
-    def set_gauges(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+    def set_gauges(self, running: int, waiting: int, kv_cache_usage: float,
+                   prefix_cache_queries: int = 0, prefix_cache_hits: int = 0) -> None:
+        """The engine's gauges, and its running prefix-cache counters (copied)."""
         with self._lock:
             self.num_requests_running, self.num_requests_waiting = running, waiting
             self.kv_cache_usage_perc = kv_cache_usage
+            self.prefix_cache_queries, self.prefix_cache_hits = prefix_cache_queries, prefix_cache_hits
 
     # ---------------------------------------------------------- /metrics
     def render(self, model_name: str) -> str:
@@ -138,6 +147,11 @@ class ServingMetrics:
                    [f"num_requests_waiting{{{label}}} {self.num_requests_waiting}"])
             metric("kv_cache_usage_perc", "gauge", "KV cache usage: 1 means every block is in use.",
                    [f"kv_cache_usage_perc{{{label}}} {self.kv_cache_usage_perc!r}"])
+            metric("prefix_cache_queries_total", "counter",
+                   "Prompt tokens looked up in the prefix cache when requests were admitted.",
+                   [f"prefix_cache_queries_total{{{label}}} {self.prefix_cache_queries}"])
+            metric("prefix_cache_hits_total", "counter", "Of the prefix cache queries, tokens found cached.",
+                   [f"prefix_cache_hits_total{{{label}}} {self.prefix_cache_hits}"])
             metric("prompt_tokens_total", "counter", "Prompt tokens processed.",
                    [f"prompt_tokens_total{{{label}}} {self.prompt_tokens_total}"])
             metric("generation_tokens_total", "counter", "Tokens generated.",
@@ -160,7 +174,7 @@ class ServingMetrics:
 
 
 def spec_decoding_lines(stats: SpecDecodingStats, label: str) -> list[str]:
-    """Speculative decoding's counters, vLLM's ``spec_decode_*`` names under our prefix."""
+    """Speculative decoding's counters, vLLM's ``vllm:spec_decode_*`` names."""
     lines = []
     for name, help_text, values in (
             ("spec_decode_num_drafts", "Steps in which a request had drafts checked.",
@@ -199,13 +213,15 @@ class Vector(Metric):
 
 
 def engine_metrics(engine) -> list[Metric]:
-    """A snapshot of an engine's gauges, speculative decoding counters and, for a mixture of
-    experts, the tokens routed to each expert of each layer (``LLM.get_metrics``)."""
+    """A snapshot of an engine's gauges, prefix-cache and speculative decoding counters and,
+    for a mixture of experts, the tokens routed to each expert of each layer (``LLM.get_metrics``)."""
     scheduler = engine.scheduler
     metrics: list[Metric] = [
         Gauge(f"{PREFIX}num_requests_running", {}, len(scheduler.running)),
         Gauge(f"{PREFIX}num_requests_waiting", {}, len(scheduler.waiting)),
-        Gauge(f"{PREFIX}kv_cache_usage_perc", {}, engine.kv_cache_manager.usage)]
+        Gauge(f"{PREFIX}kv_cache_usage_perc", {}, engine.kv_cache_manager.usage),
+        Counter(f"{PREFIX}prefix_cache_queries", {}, engine.prefix_cache_queries),
+        Counter(f"{PREFIX}prefix_cache_hits", {}, engine.prefix_cache_hits)]
     if engine.config.speculative_config is not None:
         stats = scheduler.spec_decoding_stats
         metrics += [Counter(f"{PREFIX}spec_decode_num_drafts", {}, stats.num_drafts),
@@ -214,7 +230,7 @@ def engine_metrics(engine) -> list[Metric]:
                     Vector(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", {},
                            list(stats.num_accepted_tokens_per_pos))]
     # Mixtures of experts: (token, expert) pairs routed to each expert, one vector per layer.
-    metrics += [Vector(f"{PREFIX}moe_expert_tokens", {"layer": layer}, list(counts))
+    metrics += [Vector(f"{OWN_PREFIX}moe_expert_tokens", {"layer": layer}, list(counts))
                 for layer, counts in engine.expert_load.items()]
     return metrics
 

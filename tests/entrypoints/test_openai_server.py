@@ -71,7 +71,7 @@ class Server:
         text = httpx.get(self.url + "/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
-            match = re.match(r"microvllm:(\w+)\{([^}]*)\} (\S+)$", line)
+            match = re.match(r"vllm:(\w+)\{([^}]*)\} (\S+)$", line)
             if match and "le=" not in match.group(2):
                 name = match.group(1)
                 reason = re.search(r'finished_reason="(\w+)"', match.group(2))

@@ -170,10 +170,10 @@ def test_metrics(tiny_models, draft_folder):
     llm.generate([{"prompt_token_ids": p} for p in self_repeating_prompts(seed=8)[:3]], GREEDY, use_tqdm=False)
     metrics = {m.name: m for m in llm.get_metrics()}
     stats = llm.engine.scheduler.spec_decoding_stats
-    assert metrics["microvllm:spec_decode_num_drafts"].value == stats.num_drafts > 0
-    assert metrics["microvllm:spec_decode_num_draft_tokens"].value == stats.num_draft_tokens
-    assert metrics["microvllm:spec_decode_num_accepted_tokens"].value == stats.num_accepted_tokens
-    per_pos = metrics["microvllm:spec_decode_num_accepted_tokens_per_pos"].values
+    assert metrics["vllm:spec_decode_num_drafts"].value == stats.num_drafts > 0
+    assert metrics["vllm:spec_decode_num_draft_tokens"].value == stats.num_draft_tokens
+    assert metrics["vllm:spec_decode_num_accepted_tokens"].value == stats.num_accepted_tokens
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
     assert sum(per_pos) == stats.num_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
 
 
@@ -252,7 +252,7 @@ def test_command_line_and_prometheus(monkeypatch):
     metrics = ServingMetrics()
     metrics.set_spec_decoding(stats)
     text = metrics.render("m")
-    assert 'microvllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1' in text
 
     class Reply:
         def __init__(self, text):
