@@ -49,8 +49,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 
 
 class Server:
-    def __init__(self, folder: Path, log: Path, flags: list[str] = SETTINGS):
-        self.folder, self.port = str(folder), free_port()
+    def __init__(self, folder: Path, log: Path, flags: list[str] = SETTINGS, port: int | None = None):
+        self.folder, self.port = str(folder), port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         self.log = open(log, "w")
