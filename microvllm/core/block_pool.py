@@ -14,11 +14,21 @@ still carry its hash: it is a cached block that a later request can revive with
 Block 0 is the **null block** (vLLM's ``null_block``): never handed out, never
 ref-counted, it fills block-table entries for positions a sliding window has
 dropped. So a pool of ``num_blocks`` has ``num_blocks - 1`` usable blocks.
+
+KV cache events (vLLM's ``kv_event_queue``, off by default): with
+``enable_kv_cache_events=True`` the pool records every change to the set of cached
+hashes, in order, for a router that keeps a copy of it (``take_events`` drains them;
+``microvllm/distributed/kv_events.py`` sends them in vLLM's wire format)::
+
+    cache_full_blocks      -> BlockStored(block_hashes=[h2, h3], parent_block_hash=h1, ...)
+    get_new_blocks evicts  -> BlockRemoved(block_hashes=[h3])
+    reset_prefix_cache     -> AllBlocksCleared()
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from microvllm.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
@@ -30,11 +40,49 @@ if TYPE_CHECKING:
 # and a sliding-window layer group) live in two different blocks.
 BlockHashWithGroupId = tuple[BlockHash, int]
 
+# vLLM's ``MEDIUM_GPU``: the engine's own KV cache (the tier its attention reads), as
+# opposed to an offloading tier ("CPU"). Routers compare it by name, so the pool says
+# "GPU" on every device, as vLLM's does.
+MEDIUM_GPU = "GPU"
+
+
+# The events, as plain records (core stays free of msgspec); vLLM's names and fields.
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks entered the prefix cache: ``block_hashes`` chain on from
+    ``parent_block_hash`` (None: they start the sequence) and hold ``token_ids``."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    group_idx: int = 0            # the cache group (BlockHashWithGroupId's second half)
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Cached blocks were evicted: no later request can hit them."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = MEDIUM_GPU
+    group_idx: int = 0
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every hash was forgotten (``reset_prefix_cache``)."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
 
 class BlockPool:
     """Owns all ``KVCacheBlock`` objects of one KV cache, shared by all cache groups."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 enable_kv_cache_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks is {num_blocks}: a pool needs at least 1 block (the null block)")
         self.num_blocks = num_blocks
@@ -47,6 +95,9 @@ class BlockPool:
         # Block 0 leaves the free queue for good.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # Changes to the cached hashes since the last take_events(); only when enabled.
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     @property
     def num_usable_blocks(self) -> int:
@@ -142,6 +193,9 @@ class BlockPool:
             request.block_hashes[2], request.block_hashes[3].
 
         Null blocks (sliding window) are skipped. O(num_full - num_cached).
+        With events on, one ``BlockStored`` names the newly cached blocks, their
+        parent (``block_hashes[num_cached_blocks - 1]``) and the tokens of
+        ``blocks[num_cached_blocks:num_full_blocks]``, as vLLM's does.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
@@ -150,6 +204,7 @@ class BlockPool:
                 f"request {request.request_id!r} has {len(request.block_hashes)} block hashes "
                 f"but {num_full_blocks} blocks are being cached: a block can only be cached once full"
             )
+        new_hashes: list[BlockHash] = []
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             if block.is_null:
@@ -163,6 +218,16 @@ class BlockPool:
             block.kv_cache_group_id = kv_cache_group_id
             key = (block_hash, kv_cache_group_id)
             self.cached_block_hash_to_block.setdefault(key, {})[block.block_id] = block
+            new_hashes.append(block_hash)
+        if self.enable_kv_cache_events and new_hashes:
+            block_size = request.block_size
+            self.kv_event_queue.append(BlockStored(
+                block_hashes=new_hashes,
+                parent_block_hash=request.block_hashes[num_cached_blocks - 1] if num_cached_blocks else None,
+                token_ids=request.all_token_ids[num_cached_blocks * block_size:num_full_blocks * block_size],
+                block_size=block_size,
+                group_idx=kv_cache_group_id,
+            ))
 
     def evict_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Forget the hashes of ``blocks``: no later request may hit them. O(len(blocks))."""
@@ -177,9 +242,12 @@ class BlockPool:
         key = (block.block_hash, block.kv_cache_group_id)
         same_hash = self.cached_block_hash_to_block.get(key)
         if same_hash is not None:
-            same_hash.pop(block.block_id, None)
+            removed = same_hash.pop(block.block_id, None)
             if not same_hash:
                 del self.cached_block_hash_to_block[key]
+            if removed is not None and self.enable_kv_cache_events:
+                self.kv_event_queue.append(BlockRemoved(block_hashes=[block.block_hash],
+                                                        group_idx=block.kv_cache_group_id))
         block.block_hash = None
         return True
 
@@ -194,7 +262,17 @@ class BlockPool:
         self.cached_block_hash_to_block = {}
         for block in self.blocks:
             block.block_hash = None
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first; the queue is left
+        empty (vLLM's name). Always [] with events off. O(events)."""
+        if not self.kv_event_queue:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     # ------------------------------------------------------------------ usage
 

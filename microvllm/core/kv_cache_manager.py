@@ -60,11 +60,13 @@ class KVCacheManager:
 
     def __init__(self, kv_cache_groups: list[KVCacheSpec], num_blocks: int, block_size: int,
                  enable_caching: bool = True, block_pool_class: type[BlockPool] = BlockPool, *,
-                 num_lookahead_tokens: int = 0, max_model_len: int | None = None) -> None:
+                 num_lookahead_tokens: int = 0, max_model_len: int | None = None,
+                 enable_kv_cache_events: bool = False) -> None:
         """``num_lookahead_tokens``: slots every allocation holds beyond its new tokens, for a
         draft model that writes the KV of its drafts before they are scheduled
         (speculative decoding; vLLM passes the same number to each ``allocate_slots`` call),
-        never past ``max_model_len``."""
+        never past ``max_model_len``. ``enable_kv_cache_events``: the pool records
+        what enters and leaves the prefix cache (``take_events``)."""
         if not kv_cache_groups:
             raise ValueError("kv_cache_groups is empty: a model needs at least one cache group")
         for spec in kv_cache_groups:
@@ -77,7 +79,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.num_lookahead_tokens, self.max_model_len = num_lookahead_tokens, max_model_len
-        self.block_pool = block_pool_class(num_blocks, enable_caching)
+        self.block_pool = (block_pool_class(num_blocks, enable_caching, enable_kv_cache_events=True)
+                           if enable_kv_cache_events else block_pool_class(num_blocks, enable_caching))
         self.single_type_managers: list[SingleTypeKVCacheManager] = [
             get_manager_for_kv_cache_spec(spec, self.block_pool, group_id)
             for group_id, spec in enumerate(self.kv_cache_groups)
@@ -217,6 +220,10 @@ class KVCacheManager:
     def forget_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take these blocks out of the prefix cache (their KV cannot be trusted). O(len(blocks))."""
         self.block_pool.evict_cached_blocks(blocks)
+
+    def take_events(self) -> list:
+        """The block pool's KV cache events since the last call (vLLM's name)."""
+        return self.block_pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; False (no change) while any block is in use."""

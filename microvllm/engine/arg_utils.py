@@ -38,6 +38,7 @@ from microvllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -74,7 +75,7 @@ VLLM_ONLY_ENGINE_OPTIONS = (
     "mm_processor_cache_gb", "disable_mm_preprocessor_cache", "interleave_mm_strings", "media_io_kwargs",
     "task", "runner", "convert", "served_model_name", "override_generation_config",
     "structured_outputs_config", "guided_decoding_backend", "reasoning_parser", "kv_transfer_config",
-    "kv_events_config", "worker_cls", "worker_extension_cls", "logits_processors",
+    "worker_cls", "worker_extension_cls", "logits_processors",
     "logits_processor_pattern", "scheduling_policy", "scheduler_cls", "async_scheduling",
     "enable_expert_parallel", "enable_eplb", "enable_dbo", "disable_custom_all_reduce", "rope_scaling",
     "rope_theta", "allowed_local_media_path", "allowed_media_domains", "seed_everything",
@@ -154,6 +155,9 @@ class EngineArgs:
         "it builds (torch with enforce_eager), on CUDA triton"))
     tensor_parallel_size: int = field(default=1, metadata=_cli(
         "split the model over this many worker processes (torch.distributed); 1: this process"))
+    distributed_executor_backend: str | None = field(default=None, metadata=_cli(
+        "how the tensor-parallel workers run: mp (processes on this machine, the default) or ray "
+        "(Ray actors on any machine of a Ray cluster; pip install 'microvllm[ray]')"))
     enable_expert_parallel: bool = field(default=False, metadata=_cli(
         "mixture-of-experts models: split the experts over the tensor-parallel ranks (whole "
         "experts per rank, tokens sent to them) instead of slicing every expert"))
@@ -168,6 +172,9 @@ class EngineArgs:
     speculative_config: dict | None = field(default=None, metadata=_cli(
         'speculative decoding, as a JSON dict: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
         "methods ngram, draft_model (with model=), layer_skip (with num_draft_layers=)", parse=json.loads))
+    kv_events_config: dict | None = field(default=None, metadata=_cli(
+        'KV cache events for a router, as a JSON dict (vLLM\'s KVEventsConfig): e.g. \'{"enable_kv_cache_events": '
+        'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'', parse=json.loads))
     trace: bool = field(default=False, metadata=_cli("record every engine step (llm.trace)", cli=False))
     debug_invariants: bool = field(default=False, metadata=_cli(
         "check the block pool and scheduler after every step (slow)", cli=False))
@@ -250,7 +257,8 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig(**{
                 f.name: getattr(self, f.name) for f in dataclasses.fields(StructuredOutputsConfig)}),
             speculative_config=self._speculative_config(hf_config),
-            profiler_config=self.profiler_config)
+            profiler_config=self.profiler_config,
+            kv_events_config=None if self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config))
 
     def _scheduler_config(self, max_position_embeddings: int) -> SchedulerConfig:
         max_model_len = self.max_model_len
@@ -310,7 +318,8 @@ class EngineArgs:
             divide(experts.num_experts, tp, "num_experts")
         elif experts is not None:
             divide(experts.intermediate_size, tp, "moe_intermediate_size")
-        return ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=self.enable_expert_parallel)
+        return ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=self.enable_expert_parallel,
+                              distributed_executor_backend=self.distributed_executor_backend)
 
     def _validate(self) -> None:
         """Every check of one option on its own, with what to change."""
@@ -350,6 +359,9 @@ class EngineArgs:
             raise TypeError(f"seed={self.seed!r} must be an int")
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: choose 'mp' "
+                             "(worker processes on this machine) or 'ray' (a Ray cluster)")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int >= 0, or -1 for no limit")
         for name in ("structured_outputs_compile_workers", "structured_outputs_max_spec_chars",

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,11 +101,13 @@ class Engine:
         block_size = cache_config.block_size
         specs = self.executor.kv_cache_layout.kv_cache_specs(block_size)   # one per cache group
         # component(): the class given in components (an exercise's), else the engine's.
+        kv_events = config.kv_events_config is not None and config.kv_events_config.enable_kv_cache_events
         self.kv_cache_manager = component(components, "kv_cache_manager", KVCacheManager)(
             specs, self.num_kv_blocks, block_size, enable_caching=cache_config.enable_prefix_caching,
             block_pool_class=component(components, "block_pool", BlockPool),
             num_lookahead_tokens=config.speculative_config.num_lookahead_tokens if config.speculative_config else 0,
-            max_model_len=config.scheduler_config.max_model_len)
+            max_model_len=config.scheduler_config.max_model_len,
+            **({"enable_kv_cache_events": True} if kv_events else {}))   # off: an exercise's pool needs no events
         self.scheduler = component(components, "scheduler", Scheduler)(config.scheduler_config,
                                                                          self.kv_cache_manager)
         self.structured_output_manager = StructuredOutputManager(
@@ -126,6 +129,13 @@ class Engine:
         self.fault_isolation: FaultIsolation | None = None
         self.num_steps = 0
         self.profiler: TorchProfiler | None = None
+        # KV cache events for a router (distributed/kv_events.py): the block pool's events
+        # of each step go out as one batch. Started last: nothing after it can fail.
+        self.kv_event_publisher = None
+        if kv_events:
+            from microvllm.distributed.kv_events import EventPublisherFactory
+            self.kv_event_publisher = EventPublisherFactory.create(config.kv_events_config)
+            self._stop_kv_event_publisher = weakref.finalize(self, self.kv_event_publisher.shutdown)
 
     def _initialize_kv_caches(self) -> int:
         """How many KV blocks: ``num_kv_blocks`` if given, else as many as the executor
@@ -320,7 +330,19 @@ class Engine:
         if self.debug_invariants:
             self.check_invariants()
         self.num_steps += 1
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Send the block pool's events since the last batch as one ``KVEventBatch`` (vLLM:
+        ``Scheduler.update_from_output``); nothing when events are off or none happened.
+        A step that raised leaves its events queued: the next batch carries them, in order."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.kv_cache_manager.take_events()
+        if events:
+            from microvllm.distributed.kv_events import KVEventBatch, to_wire
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events]))
 
     # ------------------------------------------------- structured outputs
     def _with_grammar_bitmask(self, plan):
@@ -419,7 +441,10 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes (with ``tensor_parallel_size > 1``); they
-        also stop when the engine is garbage collected or the interpreter exits."""
+        also stop when the engine is garbage collected or the interpreter exits. Stops the
+        KV event publisher's thread and sockets too (idempotent)."""
+        if self.kv_event_publisher is not None:
+            self._stop_kv_event_publisher()
         self.executor.shutdown()
 
     def check_invariants(self) -> None:
@@ -446,8 +471,11 @@ class Engine:
         return self.prompts.tokenizer.hf_tokenizer if self.prompts.tokenizer is not None else None
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Forget the prefix cache; see ``Scheduler.reset_prefix_cache``."""
-        return self.scheduler.reset_prefix_cache(reset_running_requests)
+        """Forget the prefix cache; see ``Scheduler.reset_prefix_cache``. With KV events on,
+        routers hear ``AllBlocksCleared`` at once, not at the next step."""
+        reset = self.scheduler.reset_prefix_cache(reset_running_requests)
+        self._publish_kv_events()
+        return reset
 
     def start_profile(self) -> None:
         """Start a torch.profiler trace (``microvllm/profiler.py`` says where it is written)."""
