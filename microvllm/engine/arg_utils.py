@@ -155,9 +155,6 @@ class EngineArgs:
         "it builds (torch with enforce_eager), on CUDA triton"))
     tensor_parallel_size: int = field(default=1, metadata=_cli(
         "split the model over this many worker processes (torch.distributed); 1: this process"))
-    distributed_executor_backend: str | None = field(default=None, metadata=_cli(
-        "how the tensor-parallel workers run: mp (processes on this machine, the default) or ray "
-        "(Ray actors on any machine of a Ray cluster; pip install 'microvllm[ray]')"))
     enable_expert_parallel: bool = field(default=False, metadata=_cli(
         "mixture-of-experts models: split the experts over the tensor-parallel ranks (whole "
         "experts per rank, tokens sent to them) instead of slicing every expert"))
@@ -318,8 +315,7 @@ class EngineArgs:
             divide(experts.num_experts, tp, "num_experts")
         elif experts is not None:
             divide(experts.intermediate_size, tp, "moe_intermediate_size")
-        return ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=self.enable_expert_parallel,
-                              distributed_executor_backend=self.distributed_executor_backend)
+        return ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=self.enable_expert_parallel)
 
     def _validate(self) -> None:
         """Every check of one option on its own, with what to change."""
@@ -359,9 +355,6 @@ class EngineArgs:
             raise TypeError(f"seed={self.seed!r} must be an int")
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        if self.distributed_executor_backend not in (None, "mp", "ray"):
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: choose 'mp' "
-                             "(worker processes on this machine) or 'ray' (a Ray cluster)")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int >= 0, or -1 for no limit")
         for name in ("structured_outputs_compile_workers", "structured_outputs_max_spec_chars",
