@@ -11,7 +11,8 @@ A learner reads the package bottom-up; each layer may use only the ones below it
       spec_decode                            speculative decoding's proposers
     platforms                                the hardware: ops' fast versions, C++ kernels
     worker  <  executor  <  engine  <  llm   the request's path, top-down
-    entrypoints                              the OpenAI-compatible server (over engine.async_llm)
+    entrypoints router                       the OpenAI-compatible server (over engine.async_llm),
+                                             the course router (over N engines)
     viz checks course bench cli __main__     tools around the engine
 
 Every ``import`` counts, including those inside functions (an import deferred to run
@@ -36,7 +37,7 @@ LAYERS = [
     {"executor"},
     {"engine"},
     {"llm"},
-    {"entrypoints"},                                               # the OpenAI server over AsyncLLM
+    {"entrypoints", "router"},       # the OpenAI server over AsyncLLM; the course router over N engines
     {"viz", "checks", "course", "bench", "cli", "collect_env", "__main__", ""},   # "": the package's __init__
 ]
 

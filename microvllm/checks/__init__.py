@@ -23,6 +23,7 @@ cache manager, every step's decisions (see ``engine_run.py``).
     15 token mask         check_token_trie
     16 Q4_1 blocks        check_q4_1, run_gguf_with (the embedded GGUF file, enforce_eager=True)
     17 MoE permutation    check_moe_align, run_moe_with (a tiny Qwen3-MoE, enforce_eager=True)
+    20 prefix router      check_prefix_choice, run_router_with (two replicas of a tiny Llama)
 """
 
 from microvllm.checks.attention import check_decode_kernel
@@ -33,6 +34,7 @@ from microvllm.checks.free_queue import check_free_block_queue
 from microvllm.checks.model_runner import check_prepare_inputs
 from microvllm.checks.moe_align import check_moe_align, run_moe_with
 from microvllm.checks.prefix_cache import check_get_computed_blocks, check_hash_block_tokens
+from microvllm.checks.prefix_router import check_prefix_choice, run_router_with
 from microvllm.checks.quantization import check_q4_1, run_gguf_with
 from microvllm.checks.rejection_sampler import check_rejection_sampler
 from microvllm.checks.report import CheckFailure, CheckResult
@@ -45,6 +47,7 @@ __all__ = [
     "CheckFailure", "CheckResult", "check_block_pool", "check_q4_1", "check_decode_kernel", "check_detokenizer",
     "check_find_stop_string", "check_free_block_queue", "check_get_computed_blocks",
     "check_hash_block_tokens", "check_moe_align",
-    "check_prepare_inputs", "check_rejection_sampler", "check_sampler", "check_scheduler",
+    "check_prefix_choice", "check_prepare_inputs", "check_rejection_sampler", "check_sampler", "check_scheduler",
     "check_slot_mapping", "check_token_trie", "run_engine_with", "run_gguf_with", "run_moe_with",
+    "run_router_with",
 ]

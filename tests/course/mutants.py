@@ -209,3 +209,34 @@ def moe_align_mutants() -> dict:
     found = {name: mutant(moe_align_module, replacements).moe_align_block_size for name, replacements in bugs.items()}
     found["tokens dropped after an expert with no pairs"] = align_stopping_at_an_empty_expert
     return found
+
+
+# ------------------------------------------------- exercise 20: choose_prefix_replica
+
+prefix_aware_module = importlib.import_module("microvllm.router.prefix_aware")
+
+_BEST = "best = min(replicas, key=lambda r: (-matched[r.index], r.load, r.kv_cache_usage, r.index))"
+_MISS = "            if block_hash not in replica.cached_block_hashes:\n                break"
+
+
+def prefix_choice_mutants() -> dict:
+    """name -> a wrong ``choose_prefix_replica``."""
+    bugs = {
+        # the longest match, ties by index; no overload test, no least-loaded fallback
+        "ignores load": [(_BEST, "best = min(replicas, key=lambda r: (-matched[r.index], r.index))"),
+                         ("least = least_loaded_replica(replicas)", "least = best"),
+                         ("if (best.load - least.load > balance_abs_threshold", "if (False")],
+        # matches each block's own tokens (its text), not the engine's chained hashes
+        "matches the prompt's text, not the block hashes": [
+            ("        for block_hash in request.block_hashes:\n",
+             "        size = request.block_size\n"
+             "        tokens = request.prompt_token_ids\n"
+             "        for start in range(0, len(request.block_hashes) * size, size):\n"
+             "            block_hash = hash_block_tokens(None, tokens[start:start + size])\n")],
+        # counts every hash the replica holds, past the first missing one
+        "keeps matching past the first miss": [(_MISS, _MISS.replace("break", "continue"))],
+    }
+    from microvllm.core.kv_cache_utils import hash_block_tokens
+
+    return {name: mutant(prefix_aware_module, replacements, hash_block_tokens=hash_block_tokens).choose_prefix_replica
+            for name, replacements in bugs.items()}

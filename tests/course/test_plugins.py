@@ -102,6 +102,9 @@ def test_solution_plugs_into_the_engine_with_hf_identical_tokens(name, tiny_llam
     if name == "17_moe_align":   # a tiny Qwen3-MoE whose sorted experts call it at every step
         _qwen3_moe_with_the_solution_alignment(tmp_path, module.moe_align_block_size)
         return
+    if name == "20_prefix_router":   # two replicas behind the Router, the solution choosing for each request
+        _router_with_the_solution_choice(tiny_llama, module.choose_prefix_replica)
+        return
     components, settings, uses_it = _components(name, module)
     prompts = varied_prompts(512, count=6, seed=3, max_len=40)
     if name == "06_decode_kernel":  # Triton's interpreter is slow: fewer, shorter prompts
@@ -187,3 +190,20 @@ def test_unknown_component_names_the_valid_ones(tiny_llama):
         LLM(str(tiny_llama), components={"blockpool": object})
     with pytest.raises(TypeError, match="must be a class"):
         LLM(str(tiny_llama), components={"scheduler": "mine"})
+
+
+def _router_with_the_solution_choice(tiny_llama, choose_prefix_replica):
+    """Two replicas of the tiny Llama behind the Router, the prefix-aware policy calling the
+    solution's choose_prefix_replica: Hugging Face's greedy tokens, both replicas used."""
+    from microvllm.router import PrefixAwarePolicy, Router
+
+    calls = []
+    policy = PrefixAwarePolicy(choose=lambda *args, **kwargs: calls.append(1) or choose_prefix_replica(*args, **kwargs))
+    replicas = [LLM(str(tiny_llama), block_size=4, max_model_len=128) for _ in range(2)]
+    prompts = varied_prompts(512, count=6, seed=3, max_len=40)
+    prompts = prompts + [p[:12] + [7, 8] for p in prompts[:2]]   # two that share a cached prefix
+    report = Router(replicas, policy).route([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for prompt, out in zip(prompts, report.outputs):
+        assert tuple(out.outputs[0].token_ids) == hf_greedy(str(tiny_llama), tuple(prompt), MAX_TOKENS)
+    assert len(calls) == len(prompts), "the router did not call the solution's choose_prefix_replica"
+    assert {d.replica for d in report.decisions} == {0, 1}
