@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return collect_env_main(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["hostile"], ["targets"],
                                                  ["attention"], ["gpu"]):
-        if argv[1] == "throughput" and "quantization" in argv[2:]:   # --workload quantization
+        if argv[1] == "throughput" and _workload(argv[2:]) == "quantization":   # bench/quantized.py
             from microvllm.bench.quantized import main as bench_main
         elif argv[1] == "throughput" and _workload(argv[2:]) == "moe":   # its own options
             from microvllm.bench.moe import main as bench_main

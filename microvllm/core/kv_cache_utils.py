@@ -246,3 +246,9 @@ class FreeKVCacheBlockQueue:
 
     def __len__(self) -> int:
         return self.num_free_blocks
+
+
+def maybe_convert_block_hash(block_hash: bytes | int) -> int:
+    """vLLM's external form of a block hash (its name; KV events and routers use it): the
+    digest's low 64 bits as an int. An int is already in that form and stays as it is."""
+    return block_hash if isinstance(block_hash, int) else int.from_bytes(block_hash, "big") & ((1 << 64) - 1)

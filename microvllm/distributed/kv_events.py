@@ -45,6 +45,7 @@ import msgspec
 import zmq
 
 from microvllm.core import block_pool as core_events
+from microvllm.core.kv_cache_utils import maybe_convert_block_hash
 
 if TYPE_CHECKING:
     from microvllm.config.kv_events import KVEventsConfig
@@ -95,11 +96,6 @@ class AllBlocksCleared(KVCacheEvent):
 
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-def maybe_convert_block_hash(block_hash: bytes) -> int:
-    """vLLM's external form of a block hash: the digest's low 64 bits, as an int."""
-    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
 
 
 def to_wire(event: core_events.KVCacheEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:

@@ -20,7 +20,7 @@ makes the same calls for engines in this process by comparing each block pool's 
 hashes with the last poll (so it sees the cache after each step, not every change in it).
 
 On the wire a block hash is vLLM's external form, the digest's low 64 bits as an int
-(``distributed/kv_events.py``'s ``maybe_convert_block_hash``), so the copy keeps that form:
+(``core/kv_cache_utils.py``'s ``maybe_convert_block_hash``), so the copy keeps that form:
 a ``BlockHash`` from the engine or an int from the stream name the same block.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from microvllm.core.kv_cache_utils import BlockHash
+from microvllm.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from microvllm.router.policy import Choice, ReplicaState, RoutedRequest, RoutingPolicy
 from microvllm.router.prefix_aware import (
     BALANCE_ABS_THRESHOLD,
@@ -39,16 +39,11 @@ from microvllm.router.prefix_aware import (
 )
 
 
-def external_hash(block_hash: bytes | int) -> int:
-    """vLLM's external form of a block hash: the digest's low 64 bits (an int stays as it is)."""
-    return block_hash if isinstance(block_hash, int) else int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
-
-
 class CachedBlocks(set):
     """One replica's cached blocks, in external form; ``BlockHash in`` it works too."""
 
     def __contains__(self, block_hash: object) -> bool:
-        return isinstance(block_hash, (bytes, int)) and super().__contains__(external_hash(block_hash))
+        return isinstance(block_hash, (bytes, int)) and super().__contains__(maybe_convert_block_hash(block_hash))
 
 
 class KVEventsPolicy(RoutingPolicy):
@@ -68,10 +63,10 @@ class KVEventsPolicy(RoutingPolicy):
 
     # ------------------------------------------------------------ the event feed
     def stored(self, replica: int, block_hashes: Iterable[BlockHash | int]) -> None:
-        self._replica(replica).update(external_hash(h) for h in block_hashes)
+        self._replica(replica).update(maybe_convert_block_hash(h) for h in block_hashes)
 
     def removed(self, replica: int, block_hashes: Iterable[BlockHash | int]) -> None:
-        self._replica(replica).difference_update(external_hash(h) for h in block_hashes)
+        self._replica(replica).difference_update(maybe_convert_block_hash(h) for h in block_hashes)
 
     def cleared(self, replica: int) -> None:
         self._replica(replica).clear()

@@ -18,7 +18,7 @@ msgspec = pytest.importorskip("msgspec")
 
 from microvllm import LLM, SamplingParams  # noqa: E402
 from microvllm.config import KVEventsConfig  # noqa: E402
-from microvllm.distributed.kv_events import maybe_convert_block_hash  # noqa: E402
+from microvllm.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from microvllm.engine.arg_utils import EngineArgs  # noqa: E402
 from microvllm.models.tiny import make_tiny_model  # noqa: E402
 

@@ -5,8 +5,8 @@ workload it exists for (a ratio measured here, with margin)."""
 import pytest
 
 from microvllm import LLM, SamplingParams
+from microvllm.core.kv_cache_utils import maybe_convert_block_hash
 from microvllm.router import BlockPoolPoller, KVEventsPolicy, Router, compare_policies, make_replicas
-from microvllm.router.kv_events import external_hash
 from microvllm.router.workload import shared_prefix_workload
 
 
@@ -72,7 +72,8 @@ def test_the_block_pool_poller_feeds_kv_events(tiny_llama, workload):
     router.route(workload.as_inputs()[:6], SamplingParams(temperature=0.0, max_tokens=2))
     for index, llm in enumerate(replicas):
         pool = llm.engine.kv_cache_manager.block_pool
-        assert policy.cached[index] == {external_hash(h) for h, group in pool.cached_block_hash_to_block if group == 0}
+        assert policy.cached[index] == {maybe_convert_block_hash(h)
+                                        for h, group in pool.cached_block_hash_to_block if group == 0}
     replicas[0].reset_prefix_cache()
     router.kv_event_feed.poll(policy)
     assert policy.cached[0] == set() and policy.cached[1]

@@ -44,10 +44,15 @@ import torch
 from microvllm.distributed.parallel_state import GroupCoordinator
 
 
+def rows_per_rank(num_tokens: int, world_size: int) -> int:
+    """``ceil(T / N)``: the most rows one rank's slice holds (the all-gather's size)."""
+    return -(-num_tokens // world_size)
+
+
 def token_slice(num_tokens: int, world_size: int, rank: int) -> slice:
     """Rank ``rank``'s rows of ``num_tokens``: equal slices of ``ceil(T / N)`` (the last
     ones shorter or empty)."""
-    per_rank = -(-num_tokens // world_size)
+    per_rank = rows_per_rank(num_tokens, world_size)
     return slice(min(rank * per_rank, num_tokens), min((rank + 1) * per_rank, num_tokens))
 
 
@@ -78,7 +83,6 @@ def dispatch_combine(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     part = torch.zeros_like(x).index_add_(0, order // top_k, back * weights[order, None].to(back.dtype))
 
     # 5. gather: every rank's slice, padded to equal size for the all-gather
-    per_rank = -(-hidden.shape[0] // world)
-    padded = part.new_zeros(per_rank, part.shape[1])
+    padded = part.new_zeros(rows_per_rank(hidden.shape[0], world), part.shape[1])
     padded[:part.shape[0]] = part
     return group.all_gather(padded, dim=0)[:hidden.shape[0]]

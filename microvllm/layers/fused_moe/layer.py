@@ -49,8 +49,6 @@ from microvllm.layers.fused_moe.moe_torch_iterative import fused_moe_iterative
 from microvllm.layers.fused_moe.router import select_experts
 from microvllm.layers.linear import check_shape, divide
 
-MOE_IMPLS = ("iterative", "sorted", "triton")
-
 
 def _fused_experts_triton(*args):
     from microvllm.layers.fused_moe.fused_moe import fused_experts  # imports triton
@@ -60,6 +58,7 @@ def _fused_experts_triton(*args):
 # impl name -> f(hidden, w13, w2, topk_weights, local topk_ids) -> out, all with one signature
 EXPERT_FUNCTIONS = {"iterative": fused_moe_iterative, "sorted": fused_moe_sorted,
                     "triton": _fused_experts_triton}
+MOE_IMPLS = tuple(EXPERT_FUNCTIONS)
 
 
 def check_moe_impl(impl: str | None) -> str | None:
@@ -146,14 +145,6 @@ class FusedMoE(CustomOp):
             self.expert_load = torch.zeros(self.global_num_experts, dtype=torch.long, device=flat.device)
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))
 
-    def take_expert_load(self) -> list[int]:
-        """Pairs routed to each expert since the last call (then forgotten: the next
-        forward starts a fresh count)."""
-        if self.expert_load is None:
-            return [0] * self.global_num_experts
-        counts, self.expert_load = self.expert_load.tolist(), None
-        return counts
-
     def extra_repr(self) -> str:
         return (f"experts={self.num_local_experts}/{self.global_num_experts} (first {self.first_expert}), "
                 f"top_k={self.top_k}, hidden={self.hidden_size}, intermediate={self.intermediate_per_partition}"
@@ -189,8 +180,15 @@ def moe_layers(model: nn.Module) -> dict[str, FusedMoE]:
 
 
 def take_expert_load(layers: dict[str, FusedMoE]) -> dict[str, list[int]]:
-    """``{layer: pairs routed to each expert}`` since the last call (then zeroed)."""
-    return {index: module.take_expert_load() for index, module in layers.items()}
+    """``{layer: pairs routed to each expert}`` since the last call (then forgotten: the
+    next forward starts a fresh count). The layers' counts reach the host in one copy (one
+    wait for a GPU per step, not one per layer)."""
+    counted = {index: module for index, module in layers.items() if module.expert_load is not None}
+    rows = torch.stack([m.expert_load for m in counted.values()]).tolist() if counted else []
+    for module in counted.values():
+        module.expert_load = None
+    loads = dict(zip(counted, rows))
+    return {index: loads.get(index, [0] * module.global_num_experts) for index, module in layers.items()}
 
 
 def _layer_index(module_name: str) -> str:
