@@ -63,7 +63,7 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 # vLLM engine options that microvllm does not implement: named as such, not "unknown".
 VLLM_ONLY_ENGINE_OPTIONS = (
-    "pipeline_parallel_size", "data_parallel_size", "data_parallel_rank", "data_parallel_size_local",
+    "pipeline_parallel_size", "data_parallel_rank", "data_parallel_size_local",
     "data_parallel_address", "data_parallel_rpc_port", "data_parallel_backend", "decode_context_parallel_size",
     "distributed_executor_backend", "kv_cache_dtype", "swap_space", "cpu_offload_gb",
     "load_format", "config_format", "download_dir", "revision", "tokenizer_revision", "code_revision",
@@ -158,6 +158,9 @@ class EngineArgs:
     enable_expert_parallel: bool = field(default=False, metadata=_cli(
         "mixture-of-experts models: split the experts over the tensor-parallel ranks (whole "
         "experts per rank, tokens sent to them) instead of slicing every expert"))
+    data_parallel_size: int = field(default=1, metadata=_cli(
+        "microvllm serve: this many engine cores (each a whole model copy and KV cache, in a "
+        "process of its own) behind one API server, each request sent to the least loaded"))
     enforce_eager: bool = field(default=False, metadata=_cli(
         "run the plain model code the notebooks show: no C++ kernels, no packed weights, "
         "no decode fast path (same tokens, slower)"))
@@ -223,6 +226,10 @@ class EngineArgs:
         """
         self._validate()
         self._check_process_options()
+        if self.data_parallel_size > 1:   # DPAsyncLLM builds each core's engine with 1
+            raise ValueError(f"data_parallel_size={self.data_parallel_size}: one engine is one model copy. "
+                             "N copies behind one API server: `microvllm serve --data-parallel-size N`; "
+                             "offline: one LLM per process, each with its share of the prompts")
         model_path = resolve_model_path(self.model)
         quantization = check_quantization(self.quantization, is_gguf=gguf_weights_file(model_path) is not None)
         if quantization is not None and self.tensor_parallel_size > 1:
@@ -355,6 +362,7 @@ class EngineArgs:
             raise TypeError(f"seed={self.seed!r} must be an int")
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("data_parallel_size", self.data_parallel_size)
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int >= 0, or -1 for no limit")
         for name in ("structured_outputs_compile_workers", "structured_outputs_max_spec_chars",

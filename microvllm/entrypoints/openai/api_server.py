@@ -354,7 +354,11 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     if args.model_tag is not None:
         engine_args.model = args.model_tag
-    engine = AsyncLLM.from_engine_args(engine_args)
+    if engine_args.data_parallel_size > 1:   # N engine cores behind this server (engine/core_client.py)
+        from microvllm.engine.core_client import DPAsyncLLM
+        engine = DPAsyncLLM.from_engine_args(engine_args)
+    else:
+        engine = AsyncLLM.from_engine_args(engine_args)
     served = args.served_model_name or [engine_args.model or EMBEDDED_MODEL_NAME]
     api_key = getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY") or None
     server: uvicorn.Server | None = None

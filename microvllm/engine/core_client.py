@@ -1,0 +1,367 @@
+"""``DPAsyncLLM``: one API server over N data-parallel engine cores, each request sent to
+the least loaded (vLLM: ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py``, the
+"internal load balancer" of ``vllm serve --data-parallel-size N``)::
+
+    clients ──> API server (this process)
+                  tokenizer, chat template, every check that needs no model (EngineInputs)
+                  DPAsyncLLM.generate ── picks core argmin(4·waiting + running) ──┐
+                                                                                   │ ZMQ (core_proc.py)
+                ┌────────────────────┬────────────────────┬────────────────────────┘
+                v                    v                    v
+           engine core 0        engine core 1   ...  engine core N-1   (own process, model, KV cache)
+
+The load of a core is what it last reported (its scheduler's waiting and running
+queues, vLLM's score: a waiting request counts 4 times, it has not started) plus the
+requests sent to it since, which it has not counted yet: so a burst spreads over the
+cores instead of piling onto the one that looked idle a moment ago (vLLM's client adds
+to its copy of the counts the same way).
+
+Each core's prefix cache is its own: requests that share a prompt prefix hit it only
+on the core that computed it. The internal load balancer does not look at prompts;
+a cache-aware router in front of N separate servers does (README: "Replicas behind a
+router"). A dead core stops the whole server (vLLM's engine is dead after one core
+dies too): a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import pickle
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from multiprocessing import get_context
+from multiprocessing.process import BaseProcess
+
+from microvllm.engine.arg_utils import EngineArgs, check_engine_options
+from microvllm.engine.async_llm import EngineDeadError, RequestFailedError, RequestRejectedError
+from microvllm.engine.core_proc import MODEL_NAME, DPEngineCoreProc
+from microvllm.engine.engine import Engine
+from microvllm.engine.metrics import _labelled
+from microvllm.engine.outputs import RequestOutput
+from microvllm.engine.prompts import PromptProcessor
+from microvllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0   # every core loads its model copy
+WAITING_WEIGHT = 4          # vLLM's: score = waiting * 4 + running
+
+# Errors a core reports by name, raised here as the same kind (a 400, a 500, ...).
+_ERRORS: dict[str, type[Exception]] = {
+    "ValueError": ValueError, "TypeError": TypeError, "RequestFailedError": RequestFailedError,
+    "RequestRejectedError": RequestRejectedError, "EngineDeadError": EngineDeadError}
+
+
+class EngineInputs:
+    """What the API server asks of an engine before a request reaches a core — the config,
+    the tokenizer, the checks that need no model — with no model loaded. The methods
+    are ``Engine``'s own, so the checks are the same ones."""
+
+    def __init__(self, config):
+        self.config = config
+        self.prompts = PromptProcessor.from_model_folder(config.model_config.model_path,
+                                                         vocab_size=config.model_config.hf_config.vocab_size)
+
+    # Engine's methods, run on this object: they read only .config and .prompts.
+    def tokenize_prompt(self, prompt, params: SamplingParams, *, name: str | None = None):
+        return Engine.tokenize_prompt(self, prompt, params, name=name)  # type: ignore[arg-type]
+
+    def check_text_fits(self, num_chars: int, which: str, shorten: str = "it") -> None:
+        Engine.check_text_fits(self, num_chars, which, shorten)  # type: ignore[arg-type]
+
+    def get_tokenizer(self):
+        return self.prompts.tokenizer
+
+
+@dataclasses.dataclass
+class CoreState:
+    """The client's view of one core."""
+
+    index: int
+    process: BaseProcess
+    sent: int = 0              # "generate" messages sent to it
+    accepted: int = 0          # ... of which it had received at its last report
+    waiting: int = 0
+    running: int = 0
+    metrics_text: str = ""
+    last_report: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def score(self) -> int:
+        in_transit = self.sent - self.accepted   # not in its queues yet: waiting, as it will be
+        return WAITING_WEIGHT * (self.waiting + in_transit) + self.running
+
+
+class DPAsyncLLM:
+    """``AsyncLLM``'s interface (what the API server calls) over ``data_parallel_size``
+    engine cores in processes of their own.
+
+        llm = DPAsyncLLM(model=None, data_parallel_size=2)
+        async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-1"): ...
+        llm.shutdown()
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        import zmq
+
+        check_engine_options(kwargs)
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        size = self.engine_args.data_parallel_size
+        self.engine = EngineInputs(dataclasses.replace(self.engine_args, data_parallel_size=1).create_engine_config())
+        self.metrics = _DPMetrics(self)
+        self.dead_error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._ids = itertools.count()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, CoreState]] = {}
+        self._lock = threading.Lock()   # _streams, the cores' counts and the input socket
+        self.tokenizer_threads = _tokenizer_threads()
+        # The cores connect to us: ROUTER (a message to core i is addressed "core-i"), PULL.
+        self._socket_dir = tempfile.mkdtemp(prefix="microvllm-dp-")
+        input_address = f"ipc://{self._socket_dir}/input"
+        output_address = f"ipc://{self._socket_dir}/output"
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.ROUTER)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a message to a core not connected raises
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_address)
+        core_kwargs = {**dataclasses.asdict(self.engine_args), "data_parallel_size": 1}
+        model_arg = core_kwargs.pop("model")
+        threads = max(1, (os.cpu_count() or 1) // size)
+        context = get_context("spawn")
+        self.cores: list[CoreState] = []
+        for index in range(size):
+            # Not a daemon: a core may start processes of its own (tensor-parallel workers,
+            # grammar compilers). It exits when this process does (_exit_when_orphaned).
+            process = context.Process(
+                target=DPEngineCoreProc.run_engine_core, name=f"microvllm-dp-core{index}",
+                args=(index, {"model": model_arg, **core_kwargs}, input_address, output_address,
+                      threads, os.getpid()))
+            process.start()
+            self.cores.append(CoreState(index, process))
+        try:
+            self._wait_until_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.last_heartbeat = time.monotonic()
+        self._reader = threading.Thread(target=self._read_outputs, name="microvllm-dp-outputs", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "DPAsyncLLM":
+        return cls(**dataclasses.asdict(engine_args))
+
+    # ------------------------------------------------------------ the API
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None and not self._stopping.is_set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def tokenizer(self):
+        return self.engine.prompts.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.get_tokenizer()
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """As ``AsyncLLM.generate``: the request runs on the least loaded core."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running (it was shut down or failed)")
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        outputs: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id={request_id!r} is already in use: give each request a unique id")
+            core = min(self.cores, key=lambda c: (c.score, c.sent))   # ties: the one sent fewer
+            self._streams[request_id] = (asyncio.get_running_loop(), outputs, core)
+            core.sent += 1
+            self._send(core, ("generate", request_id, prompt, sampling_params))
+        finished = False
+        kind = sampling_params.output_kind if sampling_params is not None else RequestOutputKind.CUMULATIVE
+        try:
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                if kind != RequestOutputKind.FINAL_ONLY or finished:
+                    yield out   # the core yields per output_kind already
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+                if not finished and self.is_running:   # cancelled or closed early: the core frees its blocks
+                    self._send(core, ("abort", request_id))
+
+    async def process_prompt(self, prompt, sampling_params: SamplingParams | None = None) -> dict:
+        """As ``AsyncLLM.process_prompt``, here (no core needed)."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        text, token_ids = await self.run_on_tokenizer_thread(lambda: self.engine.tokenize_prompt(prompt, params))
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    async def run_on_tokenizer_thread(self, work):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, work)
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                self._send(stream[2], ("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Every core aborts what it runs; each stream gets its last output."""
+        with self._lock:
+            for core in self.cores:
+                self._send(core, ("abort_all",))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop every core (each aborts what is left first), then the sockets. Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        with self._lock:
+            for core in self.cores:
+                self._send(core, ("shutdown",))
+        deadline = time.monotonic() + timeout
+        for core in self.cores:
+            core.process.join(max(0.1, deadline - time.monotonic()))
+            if core.process.is_alive():
+                logger.warning("engine core %d did not stop within %.0f s: killing it", core.index, timeout)
+                core.process.kill()
+                core.process.join(5)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self.dead_error = self.dead_error or EngineDeadError("the engine was shut down")
+        self.tokenizer_threads.shutdown(wait=False, cancel_futures=True)
+        self._context.destroy(linger=0)
+
+    # ------------------------------------------------------------ the cores
+    def _send(self, core: CoreState, message: tuple) -> None:
+        """Send under ``self._lock`` (a ZMQ socket is not thread-safe)."""
+        try:
+            self._input.send_multipart([f"core-{core.index}".encode(), pickle.dumps(message)])
+        except Exception as error:  # noqa: BLE001 - a core gone: the reader thread reports it
+            logger.debug("could not reach engine core %d: %r", core.index, error)
+
+    def _wait_until_ready(self) -> None:
+        import zmq
+        ready: set[int] = set()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < len(self.cores):
+            for core in self.cores:
+                if not core.process.is_alive():
+                    raise RuntimeError(f"engine core {core.index} exited with code {core.process.exitcode} "
+                                       "while starting: its error is printed above")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine cores {sorted(set(range(len(self.cores))) - ready)} did not start "
+                                   f"within {STARTUP_TIMEOUT_S:.0f} s")
+            if not self._output.poll(500, zmq.POLLIN):
+                continue
+            message = pickle.loads(self._output.recv())
+            if message[0] == "ready":
+                ready.add(message[1])
+                logger.info("engine core %d is ready (%d KV blocks)", message[1], message[2])
+            elif message[0] == "dead":
+                raise RuntimeError(f"engine core {message[1]} failed: {message[2]}")
+
+    def _read_outputs(self) -> None:
+        """The output thread: hand each output to its stream; notice a core's death."""
+        import zmq
+        while not self._stopping.is_set():
+            try:
+                has_message = self._output.poll(250, zmq.POLLIN)
+                message = pickle.loads(self._output.recv()) if has_message else None
+            except zmq.ZMQError:   # the context was destroyed: shut down
+                return
+            if message is not None:
+                self._handle(message)
+            dead = [c for c in self.cores if not c.process.is_alive()]
+            if dead and not self._stopping.is_set():
+                self._die(EngineDeadError(f"engine core {dead[0].index} (pid {dead[0].process.pid}) exited "
+                                          f"with code {dead[0].process.exitcode}"))
+                return
+            self.last_heartbeat = min(c.last_report for c in self.cores)
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "stats":
+            _, index, accepted, waiting, running, text = message
+            core = self.cores[index]
+            with self._lock:
+                core.accepted, core.waiting, core.running = accepted, waiting, running
+                core.metrics_text, core.last_report = text, time.monotonic()
+        elif kind == "output":
+            self._deliver(message[1], message[2])
+        elif kind == "error":
+            _, request_id, name, text = message
+            self._deliver(request_id, _ERRORS.get(name, RequestFailedError)(text))
+        elif kind == "dead":
+            self._die(EngineDeadError(f"engine core {message[1]} died: {message[2]}"))
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs, _ = stream
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:   # that event loop is closed: nobody listens any more
+                pass
+
+    def _die(self, error: BaseException) -> None:
+        logger.error("%s: the server stops", error)
+        self.dead_error = error
+        self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for loop, outputs, _ in streams:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, error)
+            except RuntimeError:
+                pass
+
+
+class _DPMetrics:
+    """``/metrics`` over the cores: each core's samples with an ``engine`` label (vLLM's),
+    under one HELP and TYPE per metric."""
+
+    def __init__(self, client: DPAsyncLLM):
+        self.client = client
+
+    def render(self, model_name: str) -> str:
+        families: dict[str, list[str]] = {}   # metric name -> its HELP, TYPE, then every core's samples
+        with self.client._lock:
+            texts = [(core.index, core.metrics_text) for core in self.client.cores]
+        for index, text in texts:
+            text = text.replace(f'model_name="{MODEL_NAME}"', f'model_name="{model_name}"')
+            name = ""
+            for line in text.splitlines():
+                if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                    name = line.split()[2]
+                    lines = families.setdefault(name, [])
+                    if index == texts[0][0]:
+                        lines.append(line)
+                elif line:
+                    families.setdefault(name, []).append(_labelled(line, f'engine="{index}"'))
+        return "".join(line + "\n" for lines in families.values() for line in lines)
+
+
+def _tokenizer_threads():
+    import concurrent.futures
+    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="microvllm-tokenize")

@@ -1,0 +1,161 @@
+"""``microvllm serve --data-parallel-size 2``, for real: one API server process and two
+engine-core processes (``engine/core_client.py``, ``engine/core_proc.py``) on 127.0.0.1.
+
+The same greedy text as one engine; requests spread over both cores by load (each
+core's count under vLLM's ``engine`` label in /metrics); a cancelled stream frees its
+blocks on the core that ran it; a killed core stops the server (a supervisor restarts
+it) and no process is left behind.
+"""
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from microvllm import LLM
+from microvllm.models.tiny import make_tiny_model
+from tests.entrypoints.test_openai_server import LLM_SETTINGS, SETTINGS, STARTUP_TIMEOUT, Server, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+
+def per_engine(url: str, name: str) -> dict[str, float]:
+    """One ``vllm:`` metric's value per engine core (summed over its other labels)."""
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        match = re.match(rf'vllm:{name}{{engine="(\d+)"[^}}]*}} (\S+)$', line)
+        if match:
+            values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
+    return values
+
+
+def core_pids(server_pid: int) -> list[int]:
+    """The engine-core processes: the server's children started by multiprocessing's spawn
+    (not its resource tracker)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and \
+                b"spawn_main" in open(f"/proc/{entry}/cmdline", "rb").read():
+            pids.append(int(entry))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    folder = make_tiny_model(root / "llama", "llama", seed=5)
+    server = Server(folder, root / "server.log", flags=[*SETTINGS, "--data-parallel-size", "2"])
+    try:
+        wait_for(server.healthy, STARTUP_TIMEOUT, "the data-parallel server's /health")
+        cores = core_pids(server.process.pid)
+        yield server
+        # SIGTERM: the server stops gracefully, and its cores with it.
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0
+        wait_for(lambda: not any(alive(p) for p in cores), 30, "the engine cores to exit after SIGTERM")
+    finally:
+        server.stop()
+
+
+def complete(url: str, model: str, prompt: str, max_tokens: int = 10) -> dict:
+    response = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_two_cores_serve_the_same_text_as_one_engine_and_share_the_load(dp_server):
+    prompts = [f"request {i}: the block table maps logical blocks to physical ones" for i in range(8)]
+    before = per_engine(dp_server.url, "request_success_total")
+
+    async def send_all():
+        async with httpx.AsyncClient(timeout=120) as client:
+            responses = await asyncio.gather(*[client.post(dp_server.url + "/v1/completions", json={
+                "model": dp_server.folder, "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+                for p in prompts])
+        return [r.json()["choices"][0]["text"] for r in responses]
+
+    texts = asyncio.run(send_all())
+    reference = LLM(dp_server.folder, **LLM_SETTINGS)
+    from microvllm import SamplingParams
+    want = [o.outputs[0].text for o in reference.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)]
+    assert texts == want
+    after = per_engine(dp_server.url, "request_success_total")
+    served = {engine: after[engine] - before.get(engine, 0.0) for engine in after}
+    assert set(served) == {"0", "1"} and sum(served.values()) == 8
+    assert min(served.values()) >= 2, f"8 requests at once, one core got almost all of them: {served}"
+
+
+def test_a_cancelled_stream_frees_its_blocks_on_its_core(dp_server):
+    with httpx.stream("POST", dp_server.url + "/v1/completions", timeout=60, json={
+            "model": dp_server.folder, "prompt": "a long story about paged attention", "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}) as response:
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks >= 3:
+                break   # the client goes away mid-stream
+    wait_for(lambda: all(v == 0 for v in per_engine(dp_server.url, "kv_cache_usage_perc").values())
+             and all(v == 0 for v in per_engine(dp_server.url, "num_requests_running").values()),
+             30, "every core's KV cache to be free again")
+    assert complete(dp_server.url, dp_server.folder, "still serving?")["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_killed_core_stops_the_server_and_no_process_is_left(tmp_path):
+    folder = make_tiny_model(tmp_path / "llama", "llama", seed=5)
+    server = Server(folder, tmp_path / "server.log", flags=[*SETTINGS, "--data-parallel-size", "2"])
+    try:
+        wait_for(server.healthy, STARTUP_TIMEOUT, "the data-parallel server's /health")
+        cores = wait_for(lambda: len(core_pids(server.process.pid)) >= 2 and core_pids(server.process.pid),
+                         30, "two engine-core processes")
+        assert len(cores) == 2
+        os.kill(cores[0], signal.SIGKILL)
+        started = time.monotonic()
+        wait_for(lambda: server.process.poll() is not None, 60, "the server to exit after a core died")
+        assert server.process.returncode == 1, "a dead engine core: exit status 1, so a supervisor restarts it"
+        assert time.monotonic() - started < 30
+        wait_for(lambda: not any(alive(p) for p in cores), 30, "the other core to exit too")
+    finally:
+        server.stop()
+
+
+def test_data_parallel_size_offline_is_refused_with_what_to_do(tmp_path):
+    folder = make_tiny_model(tmp_path / "llama", "llama", seed=5)
+    with pytest.raises(ValueError, match="--data-parallel-size N"):
+        LLM(str(folder), data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM(str(folder), data_parallel_size=0)
+
+
+def test_a_request_a_core_refuses_is_a_400_with_the_cores_message(dp_server):
+    """A request refused — by the API server's own checks or by the core that got it — is
+    a 400 that says what to change, and the server goes on serving."""
+    response = httpx.post(dp_server.url + "/v1/completions", timeout=60, json={
+        "model": dp_server.folder, "prompt": "hello", "max_tokens": 2, "logprobs": 1000})
+    assert response.status_code == 400, response.text
+    assert "logprobs" in response.text
+    too_long = httpx.post(dp_server.url + "/v1/completions", timeout=60, json={
+        "model": dp_server.folder, "prompt": "word " * 5000, "max_tokens": 2})
+    assert too_long.status_code == 400 and "max_model_len" in too_long.text, too_long.text
