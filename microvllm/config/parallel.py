@@ -14,3 +14,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Data parallelism: this engine is replica ``data_parallel_rank`` of ``data_parallel_size``
+    # (each a whole model copy; ``engine/core_client.py``). The rank offsets its KV event ports.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0

@@ -63,7 +63,7 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 # vLLM engine options that microvllm does not implement: named as such, not "unknown".
 VLLM_ONLY_ENGINE_OPTIONS = (
-    "pipeline_parallel_size", "data_parallel_rank", "data_parallel_size_local",
+    "pipeline_parallel_size", "data_parallel_size_local",
     "data_parallel_address", "data_parallel_rpc_port", "data_parallel_backend", "decode_context_parallel_size",
     "distributed_executor_backend", "kv_cache_dtype", "swap_space", "cpu_offload_gb",
     "load_format", "config_format", "download_dir", "revision", "tokenizer_revision", "code_revision",
@@ -161,6 +161,9 @@ class EngineArgs:
     data_parallel_size: int = field(default=1, metadata=_cli(
         "microvllm serve: this many engine cores (each a whole model copy and KV cache, in a "
         "process of its own) behind one API server, each request sent to the least loaded"))
+    data_parallel_rank: int | None = field(default=None, metadata=_cli(
+        "external load balancing: this server is replica RANK of --data-parallel-size (one "
+        "engine core; its KV event ports are offset by RANK); unset: all N cores here"))
     enforce_eager: bool = field(default=False, metadata=_cli(
         "run the plain model code the notebooks show: no C++ kernels, no packed weights, "
         "no decode fast path (same tokens, slower)"))
@@ -226,7 +229,7 @@ class EngineArgs:
         """
         self._validate()
         self._check_process_options()
-        if self.data_parallel_size > 1:   # DPAsyncLLM builds each core's engine with 1
+        if self.data_parallel_size > 1 and self.data_parallel_rank is None:   # DPAsyncLLM gives each core its rank
             raise ValueError(f"data_parallel_size={self.data_parallel_size}: one engine is one model copy. "
                              "N copies behind one API server: `microvllm serve --data-parallel-size N`; "
                              "offline: one LLM per process, each with its share of the prompts")
@@ -322,7 +325,9 @@ class EngineArgs:
             divide(experts.num_experts, tp, "num_experts")
         elif experts is not None:
             divide(experts.intermediate_size, tp, "moe_intermediate_size")
-        return ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=self.enable_expert_parallel)
+        return ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=self.enable_expert_parallel,
+                              data_parallel_size=self.data_parallel_size,
+                              data_parallel_rank=self.data_parallel_rank or 0)
 
     def _validate(self) -> None:
         """Every check of one option on its own, with what to change."""
@@ -363,6 +368,11 @@ class EngineArgs:
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("data_parallel_size", self.data_parallel_size)
+        rank = self.data_parallel_rank
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
+                                 or not 0 <= rank < self.data_parallel_size):
+            raise ValueError(f"data_parallel_rank={rank!r} must be an int in [0, data_parallel_size="
+                             f"{self.data_parallel_size})")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int >= 0, or -1 for no limit")
         for name in ("structured_outputs_compile_workers", "structured_outputs_max_spec_chars",

@@ -113,7 +113,12 @@ class DPAsyncLLM:
         check_engine_options(kwargs)
         self.engine_args = EngineArgs(model=model, **kwargs)
         size = self.engine_args.data_parallel_size
-        self.engine = EngineInputs(dataclasses.replace(self.engine_args, data_parallel_size=1).create_engine_config())
+        self.engine = EngineInputs(dataclasses.replace(self.engine_args, data_parallel_rank=0).create_engine_config())
+        events = self.engine.config.kv_events_config
+        if events is not None and events.enable_kv_cache_events and events.endpoint.startswith("ipc://"):
+            raise ValueError(f"kv_events_config endpoint {events.endpoint!r}: with data_parallel_size={size} "
+                             "every core would bind that one path; use tcp://*:PORT (core r publishes on "
+                             "PORT + r, as vLLM's do)")
         self.metrics = _DPMetrics(self)
         self.dead_error: BaseException | None = None
         self._stopping = threading.Event()
@@ -133,7 +138,7 @@ class DPAsyncLLM:
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
-        core_kwargs = {**dataclasses.asdict(self.engine_args), "data_parallel_size": 1}
+        core_kwargs = dataclasses.asdict(self.engine_args)
         model_arg = core_kwargs.pop("model")
         threads = max(1, (os.cpu_count() or 1) // size)
         context = get_context("spawn")
@@ -143,7 +148,8 @@ class DPAsyncLLM:
             # grammar compilers). It exits when this process does (_exit_when_orphaned).
             process = context.Process(
                 target=DPEngineCoreProc.run_engine_core, name=f"microvllm-dp-core{index}",
-                args=(index, {"model": model_arg, **core_kwargs}, input_address, output_address,
+                args=(index, {"model": model_arg, **core_kwargs, "data_parallel_rank": index},
+                      input_address, output_address,
                       threads, os.getpid()))
             process.start()
             self.cores.append(CoreState(index, process))

@@ -89,7 +89,7 @@ class Engine:
         self.config = config
         self.components = components
         self.debug_invariants = debug_invariants
-        model_config, cache_config = config.model_config, config.cache_config
+        model_config, cache_config, parallel = config.model_config, config.cache_config, config.parallel_config
         self.model_path = model_config.model_path
         self.platform = platform_for(config.device_config)
         self.prompts = PromptProcessor.from_model_folder(self.model_path,
@@ -133,8 +133,8 @@ class Engine:
         # of each step go out as one batch. Started last: nothing after it can fail.
         self.kv_event_publisher = None
         if kv_events:
-            from microvllm.distributed.kv_events import EventPublisherFactory
-            self.kv_event_publisher = EventPublisherFactory.create(config.kv_events_config)
+            from microvllm.distributed.kv_events import EventPublisherFactory as Publishers
+            self.kv_event_publisher = Publishers.create(config.kv_events_config, parallel.data_parallel_rank)
             self._stop_kv_event_publisher = weakref.finalize(self, self.kv_event_publisher.shutdown)
 
     def _initialize_kv_caches(self) -> int:

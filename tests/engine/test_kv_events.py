@@ -294,3 +294,34 @@ def test_the_cli_flag_parses_json():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "a"}'])
     assert EngineArgs.from_cli_args(args).kv_events_config == {"enable_kv_cache_events": True, "topic": "a"}
+
+
+def test_data_parallel_rank_offsets_the_port_and_tags_its_batches(model, context):
+    """Replica r of a data-parallel deployment publishes on port + r (vLLM's rule), so N
+    engines on one machine do not fight over one port, and says which rank it is."""
+    from tests.entrypoints.test_openai_server import free_port
+
+    port = free_port()
+    while True:   # port + 1 must be free too
+        try:
+            probe = context.socket(zmq.PUB)
+            probe.bind(f"tcp://127.0.0.1:{port + 1}")
+            probe.close(linger=0)
+            break
+        except zmq.ZMQError:
+            port = free_port()
+    llm = LLM(str(model), block_size=4, num_kv_blocks=10, max_model_len=64, data_parallel_size=2,
+              data_parallel_rank=1, kv_events_config={"enable_kv_cache_events": True, "topic": "kv",
+                                                      "endpoint": f"tcp://*:{port}"})   # "*": bind
+    assert llm.engine.config.parallel_config.data_parallel_rank == 1
+    assert llm.engine.kv_event_publisher.endpoint == f"tcp://*:{port + 1}"
+    sub = subscribe(context, f"tcp://127.0.0.1:{port + 1}")
+    wait_until_subscribed(llm, sub)
+    llm.generate([{"prompt_token_ids": list(range(3, 14))}], SamplingParams(temperature=0.0, max_tokens=1),
+                 use_tqdm=False)
+    _, _, payload = sub.recv_multipart()
+    batch = DECODER.decode(payload)
+    assert batch.data_parallel_rank == 1 and isinstance(batch.events[0], BlockStored)
+    llm.shutdown()
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        LLM(str(model), data_parallel_size=2, data_parallel_rank=2)

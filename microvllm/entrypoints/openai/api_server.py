@@ -354,7 +354,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     if args.model_tag is not None:
         engine_args.model = args.model_tag
-    if engine_args.data_parallel_size > 1:   # N engine cores behind this server (engine/core_client.py)
+    if engine_args.data_parallel_size > 1 and engine_args.data_parallel_rank is None:   # N cores, one server
         from microvllm.engine.core_client import DPAsyncLLM
         engine = DPAsyncLLM.from_engine_args(engine_args)
     else:
