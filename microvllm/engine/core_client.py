@@ -98,6 +98,12 @@ class CoreState:
         return WAITING_WEIGHT * (self.waiting + in_transit) + self.running
 
 
+def least_loaded_core(cores: list[CoreState]) -> CoreState:
+    """The core a new request goes to: the lowest score; on a tie the one sent fewer
+    requests in all, then the first (vLLM's ``DPLBAsyncMPClient.get_core_engine_for_request``)."""
+    return min(cores, key=lambda core: (core.score, core.sent, core.index))
+
+
 class DPAsyncLLM:
     """``AsyncLLM``'s interface (what the API server calls) over ``data_parallel_size``
     engine cores in processes of their own.
@@ -192,7 +198,7 @@ class DPAsyncLLM:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id={request_id!r} is already in use: give each request a unique id")
-            core = min(self.cores, key=lambda c: (c.score, c.sent))   # ties: the one sent fewer
+            core = least_loaded_core(self.cores)
             self._streams[request_id] = (asyncio.get_running_loop(), outputs, core)
             core.sent += 1
             self._send(core, ("generate", request_id, prompt, sampling_params))

@@ -14,8 +14,8 @@ them). The API server's ``DPAsyncLLM`` (``core_client.py``) talks to each over Z
                <─ PULL ─── ("output", id, RequestOutput) ───── PUSH  (every step it moves)
                            ("error", id, kind, message)               (a refused or failed request)
                            ("stats", i, accepted, waiting, running, metrics text)
-                                                                      (every STATS_INTERVAL_S, and
-                                                                       before each final output)
+                                                                      (every 0.1 s busy, 0.5 s idle,
+                                                                       and before each final output)
 
 Messages are pickled: both ends are this package, on one machine (vLLM encodes its
 ``EngineCoreRequest`` with msgspec, which is faster and refuses arbitrary objects).
@@ -33,7 +33,8 @@ import threading
 
 from microvllm.executor.multiproc_executor import _exit_when_orphaned
 
-STATS_INTERVAL_S = 0.5   # how often an idle core says it is alive (the API server's /health)
+STATS_INTERVAL_S = 0.5   # how often an idle core reports (its heartbeat: the API server's /health)
+BUSY_STATS_INTERVAL_S = 0.1   # ... and a busy one (its queues: the load balancer's input)
 MODEL_NAME = "{model_name}"   # stands for the served name in a core's metrics text
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class DPEngineCoreProc:
     async def _heartbeat(self) -> None:
         while self.llm.is_running:
             await self.send_stats()
-            await asyncio.sleep(STATS_INTERVAL_S)
+            await asyncio.sleep(BUSY_STATS_INTERVAL_S if self.requests else STATS_INTERVAL_S)
         await self.send(("dead", self.index, repr(self.llm.dead_error)))
 
     @staticmethod
