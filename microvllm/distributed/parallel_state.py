@@ -111,16 +111,18 @@ _SINGLE = GroupCoordinator()
 
 def serve_rendezvous(timeout_s: float = 60.0) -> dist.TCPStore:
     """The store the ranks meet at, served from this process on a port the OS picks
-    (``store.port``); keep it alive as long as the ranks run."""
+    (``store.port``), on every interface of this machine (another machine's ranks reach
+    it at this machine's address: the Ray executor); keep it alive as long as the ranks run."""
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s))
 
 
 def init_distributed_environment(world_size: int, rank: int, store_port: int,
                                  backend: str = "gloo", timeout_s: float = 60.0,
-                                 enable_expert_parallel: bool = False) -> GroupCoordinator:
+                                 enable_expert_parallel: bool = False,
+                                 store_host: str = "127.0.0.1") -> GroupCoordinator:
     """Join the process group as ``rank`` of ``world_size`` through the store on
-    127.0.0.1:``store_port`` (every rank must call it; it returns when all have). All ranks
+    ``store_host``:``store_port`` (every rank must call it; it returns when all have). All ranks
     form one tensor-parallel group. ``timeout_s`` bounds the rendezvous and every
     collective: a rank whose peer died raises instead of waiting forever.
     ``enable_expert_parallel``: the same ranks also form the expert-parallel group."""
@@ -128,7 +130,7 @@ def init_distributed_environment(world_size: int, rank: int, store_port: int,
     if _TP is not None:
         raise RuntimeError("this process already belongs to a process group: one rank per process")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+    store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout)
     dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank,
                             timeout=timeout)
     _TP = GroupCoordinator(world_size, rank, dist.group.WORLD)

@@ -46,6 +46,7 @@ from microvllm.config import (
     StructuredOutputsConfig,
 )
 from microvllm.config.components import check_components
+from microvllm.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS
 from microvllm.config.structured_outputs import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
 from microvllm.layers.linear import divide, shard_heads
 from microvllm.layers.quantization import check_quantization
@@ -65,7 +66,7 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 VLLM_ONLY_ENGINE_OPTIONS = (
     "pipeline_parallel_size", "data_parallel_size_local",
     "data_parallel_address", "data_parallel_rpc_port", "data_parallel_backend", "decode_context_parallel_size",
-    "distributed_executor_backend", "kv_cache_dtype", "swap_space", "cpu_offload_gb",
+    "kv_cache_dtype", "swap_space", "cpu_offload_gb",
     "load_format", "config_format", "download_dir", "revision", "tokenizer_revision", "code_revision",
     "tokenizer_mode", "hf_config_path", "hf_overrides", "hf_token", "skip_tokenizer_init",
     "enable_prompt_embeds", "enable_lora", "enable_lora_bias", "max_loras",
@@ -158,6 +159,10 @@ class EngineArgs:
     enable_expert_parallel: bool = field(default=False, metadata=_cli(
         "mixture-of-experts models: split the experts over the tensor-parallel ranks (whole "
         "experts per rank, tokens sent to them) instead of slicing every expert"))
+    distributed_executor_backend: str | None = field(default=None, metadata=_cli(
+        "who runs the tensor-parallel ranks: mp (the default: worker processes on this machine), "
+        "ray (Ray actors in the cluster `ray start` started, on any of its machines), uni (one "
+        "rank, in this process)"))
     data_parallel_size: int = field(default=1, metadata=_cli(
         "microvllm serve: this many engine cores (each a whole model copy and KV cache, in a "
         "process of its own) behind one API server, each request sent to the least loaded"))
@@ -326,6 +331,7 @@ class EngineArgs:
         elif experts is not None:
             divide(experts.intermediate_size, tp, "moe_intermediate_size")
         return ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=self.enable_expert_parallel,
+                              distributed_executor_backend=self.distributed_executor_backend or "mp",
                               data_parallel_size=self.data_parallel_size,
                               data_parallel_rank=self.data_parallel_rank or 0)
 
@@ -367,6 +373,7 @@ class EngineArgs:
             raise TypeError(f"seed={self.seed!r} must be an int")
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _check_distributed_executor_backend(self.distributed_executor_backend, self.tensor_parallel_size)
         _positive_int("data_parallel_size", self.data_parallel_size)
         rank = self.data_parallel_rank
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
@@ -395,6 +402,21 @@ class EngineArgs:
                              "folder; remove tokenizer= (or copy its files into the model folder)")
         if self.disable_log_stats:
             logger.info("disable_log_stats=True: microvllm logs no periodic stats; nothing to turn off")
+
+
+def _check_distributed_executor_backend(backend, tensor_parallel_size: int) -> None:
+    if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+        raise ValueError(f"distributed_executor_backend={backend!r}: choose one of {DISTRIBUTED_EXECUTOR_BACKENDS} "
+                         "(vLLM's 'external_launcher' and executor classes are not implemented)")
+    if backend == "uni" and tensor_parallel_size > 1:
+        raise ValueError(f"distributed_executor_backend='uni' runs one rank, in this process, but "
+                         f"tensor_parallel_size={tensor_parallel_size}: use 'mp' or 'ray'")
+    if backend == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
+                             "pip install 'microvllm[ray]' (on every machine of the cluster)")
 
 
 def _positive_int(name: str, value) -> None:

@@ -225,10 +225,13 @@ def _stop_workers(procs, pipes, grace_s: float = 5.0) -> None:
 
 class WorkerProc:
     """One rank, in its own process: joins the process group, builds a ``Worker`` over its
-    shard of the model, then runs whatever the executor sends until told to stop."""
+    shard of the model, then runs whatever the executor sends until told to stop. (The Ray
+    executor's actors build one too: ``store_host`` is then the engine's machine, and
+    ``ranks_on_this_machine`` and ``local_rank`` count only this machine's ranks.)"""
 
     def __init__(self, rank: int, world_size: int, store_port: int, config, eos_token_ids: set[int],
-                 components=None):
+                 components=None, *, store_host: str = "127.0.0.1", ranks_on_this_machine: int | None = None,
+                 local_rank: int | None = None):
         import torch
 
         from microvllm.distributed import init_distributed_environment
@@ -237,13 +240,23 @@ class WorkerProc:
 
         self.rank = rank
         # The ranks share this machine's cores: without this each would use all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (ranks_on_this_machine or world_size)))
         platform = platform_for(config.device_config)
-        platform.set_device(rank)   # one GPU per rank (nothing to do on a CPU)
+        platform.set_device(rank if local_rank is None else local_rank)   # one GPU per rank (a CPU: nothing)
         init_distributed_environment(world_size, rank, store_port, backend=platform.distributed_backend,
                                      timeout_s=PROCESS_GROUP_TIMEOUT_S,
-                                     enable_expert_parallel=config.parallel_config.enable_expert_parallel)
+                                     enable_expert_parallel=config.parallel_config.enable_expert_parallel,
+                                     store_host=store_host)
         self.worker = Worker(config, eos_token_ids, platform, components)
+
+    def startup_info(self) -> tuple:
+        """What the executor needs before its first call: the KV cache layout, one block's bytes."""
+        return self.worker.model.layout, self.worker.kv_cache_bytes_per_block()
+
+    def run(self, method: str, args: tuple):
+        """``Worker.<method>(*args)``; only rank 0's result goes back (the ranks agree)."""
+        result = getattr(self.worker, method)(*args)
+        return result if self.rank == 0 else None
 
     @staticmethod
     def worker_main(rank, world_size, store_port, config, eos_token_ids, components,
@@ -253,8 +266,7 @@ class WorkerProc:
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
         try:
             proc = WorkerProc(rank, world_size, store_port, config, eos_token_ids, components)
-            worker = proc.worker
-            pipe.send(_Reply(0, True, (worker.model.layout, worker.kv_cache_bytes_per_block())))
+            pipe.send(_Reply(0, True, proc.startup_info()))
         except BaseException:
             pipe.send(_Reply(0, False, traceback.format_exc()))
             return
@@ -274,8 +286,7 @@ class WorkerProc:
             if method == "shutdown":
                 return
             try:
-                result = getattr(self.worker, method)(*args)
-                reply = _Reply(call_id, True, result if self.rank == 0 else None)
+                reply = _Reply(call_id, True, self.run(method, args))
             except BaseException:
                 reply = _Reply(call_id, False, traceback.format_exc())
             pipe.send(reply)
