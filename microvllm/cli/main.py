@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         from microvllm.collect_env import main as collect_env_main
         return collect_env_main(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["hostile"], ["targets"],
-                                                 ["attention"], ["gpu"]):
+                                                 ["attention"], ["gpu"], ["router"]):
         if argv[1] == "throughput" and _workload(argv[2:]) == "quantization":   # bench/quantized.py
             from microvllm.bench.quantized import main as bench_main
         elif argv[1] == "throughput" and _workload(argv[2:]) == "moe":   # its own options
@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             from microvllm.bench.throughput import main as bench_main
         elif argv[1] == "serve":
             from microvllm.bench.serve import main as bench_main
+        elif argv[1] == "router":
+            from microvllm.bench.router import main as bench_main
         elif argv[1] == "gpu":
             from microvllm.bench.gpu import main as bench_main
         elif argv[1] == "structured":

@@ -12,9 +12,9 @@
 ``get_executor_class(config)`` (in ``executor/__init__.py``) picks the implementation:
 ``UniProcExecutor`` for ``tensor_parallel_size=1`` (the worker in this process, no
 torch.distributed), ``MultiprocExecutor`` for more, ``RayDistributedExecutor`` for
-``distributed_executor_backend="ray"`` (the ranks as Ray actors, on several machines). (vLLM's is ``Executor.get_class``, a
-method of this class; here it sits in the package so that the interface imports neither
-implementation.)
+``distributed_executor_backend="ray"`` (the ranks as Ray actors, on several machines).
+(vLLM's is ``Executor.get_class``, a method of this class; here it sits in the package so
+that the interface imports no implementation.)
 """
 
 from __future__ import annotations

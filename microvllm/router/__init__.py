@@ -8,8 +8,10 @@
     kv_events.py     the same choice over each replica's exact cache, kept from its KV events
     router.py        Router: replicas in one process, route(prompts) -> RouteReport
     workload.py      shared system prompts; compare_policies -> hit rate per policy
+    http_proxy.py    the same policies over HTTP, in front of `microvllm serve` replicas
 """
 
+from microvllm.router.http_proxy import HTTPProxy
 from microvllm.router.kv_events import BlockPoolPoller, KVEventsPolicy
 from microvllm.router.least_loaded import LeastLoadedPolicy, least_loaded_replica
 from microvllm.router.policies import POLICIES, make_policy
@@ -28,7 +30,7 @@ from microvllm.router.workload import (
 
 __all__ = [
     "POLICIES", "POLICY_NAMES", "ApproximatePrefixTree", "BlockPoolPoller", "Choice", "Decision",
-    "KVEventsPolicy", "LeastLoadedPolicy", "PolicyComparison", "PrefixAwarePolicy", "ReplicaReport",
+    "HTTPProxy", "KVEventsPolicy", "LeastLoadedPolicy", "PolicyComparison", "PrefixAwarePolicy", "ReplicaReport",
     "ReplicaState", "RoundRobinPolicy", "RouteReport", "RoutedRequest", "Router", "RoutingPolicy",
     "choose_prefix_replica", "compare_policies", "least_loaded_replica", "make_policy", "make_replicas",
     "shared_prefix_workload",

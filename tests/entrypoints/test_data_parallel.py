@@ -159,3 +159,61 @@ def test_a_request_a_core_refuses_is_a_400_with_the_cores_message(dp_server):
     too_long = httpx.post(dp_server.url + "/v1/completions", timeout=60, json={
         "model": dp_server.folder, "prompt": "word " * 5000, "max_tokens": 2})
     assert too_long.status_code == 400 and "max_model_len" in too_long.text, too_long.text
+
+
+def test_each_core_publishes_its_kv_events_on_port_plus_its_rank(tmp_path):
+    """With KV events on, core r binds the endpoint's port + r and tags its batches with r:
+    a router subscribes to each core as vLLM's routers subscribe to vLLM's DP ranks."""
+    zmq = pytest.importorskip("zmq")
+    import msgspec
+
+    from microvllm.distributed.kv_events import KVEventBatch
+    from tests.entrypoints.test_openai_server import free_port
+
+    port = free_port()
+    while not _port_free(port + 1):
+        port = free_port()
+    folder = make_tiny_model(tmp_path / "llama", "llama", seed=5)
+    config = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}", "topic": "kv"}}'
+    server = Server(folder, tmp_path / "server.log",
+                    flags=[*SETTINGS, "--data-parallel-size", "2", "--kv-events-config", config])
+    context = zmq.Context()
+    try:
+        wait_for(server.healthy, STARTUP_TIMEOUT, "the data-parallel server's /health")
+        subs = []
+        for rank in range(2):
+            sub = context.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+            sub.setsockopt(zmq.RCVTIMEO, 200)
+            sub.connect(f"tcp://127.0.0.1:{port + rank}")
+            subs.append(sub)
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        ranks_seen: dict[int, set] = {0: set(), 1: set()}
+
+        def both_cores_published() -> bool:
+            # Slow joiners miss the first batches: keep sending prompts until each core's arrive.
+            complete(server.url, server.folder, "tell me about block " + "hashes " * 20, max_tokens=2)
+            for rank, sub in enumerate(subs):
+                try:
+                    while True:
+                        _, _, payload = sub.recv_multipart()
+                        ranks_seen[rank].add(decoder.decode(payload).data_parallel_rank)
+                except zmq.Again:
+                    pass
+            return all(ranks_seen.values())
+
+        wait_for(both_cores_published, 60, "KV event batches from both cores", interval=0.2)
+        assert ranks_seen == {0: {0}, 1: {1}}, ranks_seen
+    finally:
+        context.destroy(linger=0)
+        server.stop()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
