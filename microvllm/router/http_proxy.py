@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from microvllm.tokenizer import Tokenizer
 
     proxy = HTTPProxy(args.replica, make_policy(args.policy), Tokenizer.from_pretrained(args.model),
-                  block_size=args.block_size, num_kv_blocks=args.num_kv_blocks)
+                      block_size=args.block_size, num_kv_blocks=args.num_kv_blocks)
     uvicorn.run(build_app(proxy, args.kv_events if args.policy == "kv_events" else ()),
                 host=args.host, port=args.port, log_level="warning")
     return 0
