@@ -37,13 +37,14 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from microvllm.bench.hostile import free_port
 
 VLLM_ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware", "kv_aware")
 COURSE_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_events")
@@ -55,12 +56,6 @@ WORDS = ("cache", "block", "token", "replica", "router", "prefix", "queue", "bat
 
 
 # ------------------------------------------------------------------ processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def vllm_router_binary() -> str | None:
     found = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     return found if Path(found).is_file() else None

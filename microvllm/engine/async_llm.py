@@ -37,6 +37,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from microvllm.engine.arg_utils import EngineArgs, check_engine_options
 from microvllm.engine.engine import Engine
@@ -64,7 +65,50 @@ class RequestRejectedError(RequestFailedError, ValueError):
     server answers 400, as for any other request it cannot serve."""
 
 
-class AsyncLLM:
+class EngineClient:
+    """What a server asks of an engine besides running requests: the tokenizer side, on
+    threads of its own (vLLM: ``EngineClient``, ``vllm/engine/protocol.py``). ``AsyncLLM``
+    and the data-parallel ``DPAsyncLLM`` (``core_client.py``) both are one; each sets
+    ``engine`` (whose ``prompts`` and ``tokenize_prompt`` are used here),
+    ``tokenizer_threads`` (``new_tokenizer_threads()``) and ``_stopping``."""
+
+    engine: Any
+    tokenizer_threads: concurrent.futures.ThreadPoolExecutor
+    _stopping: threading.Event
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``shutdown()`` was called."""
+        return self._stopping.is_set()
+
+    def get_tokenizer(self):
+        return self.engine.get_tokenizer()
+
+    @property
+    def tokenizer(self):
+        return self.engine.prompts.tokenizer
+
+    async def process_prompt(self, prompt, sampling_params: SamplingParams | None = None) -> dict:
+        """Tokenize ``prompt`` on a tokenizer thread, not the engine's (a long prompt would
+        stall every stream for as long as it takes): ``{"prompt", "prompt_token_ids"}``,
+        which ``generate`` then takes as it is. Raises ``ValueError`` for a bad prompt."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        text, token_ids = await self.run_on_tokenizer_thread(
+            functools.partial(self.engine.tokenize_prompt, prompt, params))
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    async def run_on_tokenizer_thread(self, work):
+        """``await`` ``work()`` run on one of the tokenizer threads (tokenize, detokenize,
+        render a chat): never on the event loop, never behind a grammar compile."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, work)
+
+
+def new_tokenizer_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """Tokenizing and detokenizing for the server, on threads nothing else uses."""
+    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="microvllm-tokenize")
+
+
+class AsyncLLM(EngineClient):
     """An engine driven by a background thread; ``generate`` is an async generator.
 
         llm = AsyncLLM(model=None, max_num_seqs=16)        # same arguments as LLM()
@@ -87,8 +131,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self.dead_error: BaseException | None = None
-        # Tokenizing and detokenizing for the server, on threads nothing else uses.
-        self.tokenizer_threads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="microvllm-tokenize")
+        self.tokenizer_threads = new_tokenizer_threads()
         self._compile_workers: GrammarCompileWorkers | None = None   # started on first use
         self._compile_workers_lock = threading.Lock()
         # The engine-core loop's heartbeat: when it last finished a pass (a step or an idle
@@ -106,18 +149,6 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.dead_error is None
-
-    @property
-    def stopping(self) -> bool:
-        """True once ``shutdown()`` was called."""
-        return self._stopping.is_set()
-
-    def get_tokenizer(self):
-        return self.engine.get_tokenizer()
-
-    @property
-    def tokenizer(self):
-        return self.engine.prompts.tokenizer
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -165,20 +196,6 @@ class AsyncLLM:
                 self._streams.pop(request_id, None)
             if not finished:  # cancelled, closed early, or failed: free its blocks
                 self._commands.put(("abort", request_id, None))
-
-    async def process_prompt(self, prompt, sampling_params: SamplingParams | None = None) -> dict:
-        """Tokenize ``prompt`` on a tokenizer thread, not the engine's (a long prompt would
-        stall every stream for as long as it takes): ``{"prompt", "prompt_token_ids"}``,
-        which ``generate`` then takes as it is. Raises ``ValueError`` for a bad prompt."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        text, token_ids = await self.run_on_tokenizer_thread(
-            functools.partial(self.engine.tokenize_prompt, prompt, params))
-        return {"prompt": text, "prompt_token_ids": token_ids}
-
-    async def run_on_tokenizer_thread(self, work):
-        """``await`` ``work()`` run on one of the tokenizer threads (tokenize, detokenize,
-        render a chat): never on the event loop, never behind a grammar compile."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, work)
 
     async def compile_grammars(self, params: SamplingParams) -> list:
         """One matcher per sample for ``params.structured_outputs``: the limits and the

@@ -39,13 +39,19 @@ from multiprocessing import get_context
 from multiprocessing.process import BaseProcess
 
 from microvllm.engine.arg_utils import EngineArgs, check_engine_options
-from microvllm.engine.async_llm import EngineDeadError, RequestFailedError, RequestRejectedError
+from microvllm.engine.async_llm import (
+    EngineClient,
+    EngineDeadError,
+    RequestFailedError,
+    RequestRejectedError,
+    new_tokenizer_threads,
+)
 from microvllm.engine.core_proc import MODEL_NAME, DPEngineCoreProc
 from microvllm.engine.engine import Engine
 from microvllm.engine.metrics import _labelled
 from microvllm.engine.outputs import RequestOutput
 from microvllm.engine.prompts import PromptProcessor
-from microvllm.sampling_params import RequestOutputKind, SamplingParams
+from microvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +110,7 @@ def least_loaded_core(cores: list[CoreState]) -> CoreState:
     return min(cores, key=lambda core: (core.score, core.sent, core.index))
 
 
-class DPAsyncLLM:
+class DPAsyncLLM(EngineClient):
     """``AsyncLLM``'s interface (what the API server calls) over ``data_parallel_size``
     engine cores in processes of their own.
 
@@ -131,7 +137,7 @@ class DPAsyncLLM:
         self._ids = itertools.count()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, CoreState]] = {}
         self._lock = threading.Lock()   # _streams, the cores' counts and the input socket
-        self.tokenizer_threads = _tokenizer_threads()
+        self.tokenizer_threads = new_tokenizer_threads()   # tokenizing here: no core needed
         # The cores connect to us: ROUTER (a message to core i is addressed "core-i"), PULL.
         self._socket_dir = tempfile.mkdtemp(prefix="microvllm-dp-")
         input_address = f"ipc://{self._socket_dir}/input"
@@ -177,17 +183,6 @@ class DPAsyncLLM:
     def is_running(self) -> bool:
         return self.dead_error is None and not self._stopping.is_set()
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
-
-    @property
-    def tokenizer(self):
-        return self.engine.prompts.tokenizer
-
-    def get_tokenizer(self):
-        return self.engine.get_tokenizer()
-
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """As ``AsyncLLM.generate``: the request runs on the least loaded core."""
@@ -203,15 +198,13 @@ class DPAsyncLLM:
             core.sent += 1
             self._send(core, ("generate", request_id, prompt, sampling_params))
         finished = False
-        kind = sampling_params.output_kind if sampling_params is not None else RequestOutputKind.CUMULATIVE
         try:
             while True:
                 out = await outputs.get()
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
-                if kind != RequestOutputKind.FINAL_ONLY or finished:
-                    yield out   # the core yields per output_kind already
+                yield out   # as the core's AsyncLLM.generate yielded it (per output_kind)
                 if finished:
                     return
         finally:
@@ -219,15 +212,6 @@ class DPAsyncLLM:
                 self._streams.pop(request_id, None)
                 if not finished and self.is_running:   # cancelled or closed early: the core frees its blocks
                     self._send(core, ("abort", request_id))
-
-    async def process_prompt(self, prompt, sampling_params: SamplingParams | None = None) -> dict:
-        """As ``AsyncLLM.process_prompt``, here (no core needed)."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        text, token_ids = await self.run_on_tokenizer_thread(lambda: self.engine.tokenize_prompt(prompt, params))
-        return {"prompt": text, "prompt_token_ids": token_ids}
-
-    async def run_on_tokenizer_thread(self, work):
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, work)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
@@ -315,7 +299,8 @@ class DPAsyncLLM:
             core = self.cores[index]
             with self._lock:
                 core.accepted, core.waiting, core.running = accepted, waiting, running
-                core.metrics_text, core.last_report = text, time.monotonic()
+                core.metrics_text = text if text is not None else core.metrics_text
+                core.last_report = time.monotonic()
         elif kind == "output":
             self._deliver(message[1], message[2])
         elif kind == "error":
@@ -372,8 +357,3 @@ class _DPMetrics:
                 elif line:
                     families.setdefault(name, []).append(_labelled(line, f'engine="{index}"'))
         return "".join(line + "\n" for lines in families.values() for line in lines)
-
-
-def _tokenizer_threads():
-    import concurrent.futures
-    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="microvllm-tokenize")

@@ -13,9 +13,10 @@ them). The API server's ``DPAsyncLLM`` (``core_client.py``) talks to each over Z
                          ─ ("abort", id) / ("abort_all",) / ("shutdown",)
                <─ PULL ─── ("output", id, RequestOutput) ───── PUSH  (every step it moves)
                            ("error", id, kind, message)               (a refused or failed request)
-                           ("stats", i, accepted, waiting, running, metrics text)
-                                                                      (every 0.1 s busy, 0.5 s idle,
-                                                                       and before each final output)
+                           ("stats", i, accepted, waiting, running, metrics text or None)
+                                                                      (every 0.1 s busy, 0.5 s idle; the
+                                                                       text at most every 0.5 s, and
+                                                                       before each final output)
 
 Messages are pickled: both ends are this package, on one machine (vLLM encodes its
 ``EngineCoreRequest`` with msgspec, which is faster and refuses arbitrary objects).
@@ -30,6 +31,7 @@ import logging
 import pickle
 import signal
 import threading
+import time
 
 from microvllm.executor.multiproc_executor import _exit_when_orphaned
 
@@ -65,10 +67,13 @@ class DPEngineCoreProc:
     async def send(self, message: tuple) -> None:
         await self.output.send(pickle.dumps(message))
 
-    async def send_stats(self) -> None:
+    async def send_stats(self, with_text: bool = True) -> None:
+        """Queue lengths (the load balancer's input), and the metrics text for ``/metrics``
+        unless ``with_text`` is False (None: the client keeps the last one)."""
         metrics = self.llm.metrics
+        text = metrics.render(MODEL_NAME) if with_text else None
         await self.send(("stats", self.index, self.accepted, metrics.num_requests_waiting,
-                         metrics.num_requests_running, metrics.render(MODEL_NAME)))
+                         metrics.num_requests_running, text))
 
     async def run(self) -> None:
         """Serve the client's messages until "shutdown" (or until the engine dies)."""
@@ -108,8 +113,12 @@ class DPEngineCoreProc:
             self.requests.pop(request_id, None)
 
     async def _heartbeat(self) -> None:
+        rendered = 0.0   # the whole metrics text at most every STATS_INTERVAL_S: busy beats send counts
         while self.llm.is_running:
-            await self.send_stats()
+            now = time.monotonic()
+            with_text = now - rendered >= STATS_INTERVAL_S
+            await self.send_stats(with_text)
+            rendered = now if with_text else rendered
             await asyncio.sleep(BUSY_STATS_INTERVAL_S if self.requests else STATS_INTERVAL_S)
         await self.send(("dead", self.index, repr(self.llm.dead_error)))
 

@@ -40,22 +40,24 @@ class Executor(ABC):
         """Bytes of one KV block on one rank (a rank holds only its KV heads)."""
 
     @abstractmethod
+    def collective_rpc(self, method: str, *args):
+        """Run ``Worker.<method>(*args)`` on every rank; return rank 0's result."""
+
+    # The rest is the same call on every rank, however the ranks are reached (vLLM's
+    # Executor defines these through collective_rpc too).
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit on one rank, as the platform measures it (on a GPU, after
-        a profiling pass of the largest batch)."""
+        a profiling pass of the largest batch). Rank 0's: every device alike."""
+        return self.collective_rpc("determine_num_kv_blocks")
 
-    @abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV blocks per layer on every rank: the scheduler's block
         ids are global, so every rank holds the same blocks (of its own heads)."""
+        self.collective_rpc("initialize_kv_cache", num_blocks)
 
-    @abstractmethod
     def execute_model(self, scheduler_output):
         """Run one step's plan; return rank 0's ``ModelRunnerOutput``."""
-
-    @abstractmethod
-    def collective_rpc(self, method: str, *args):
-        """Run ``Worker.<method>(*args)`` on every rank; return rank 0's result."""
+        return self.collective_rpc("execute_model", scheduler_output)
 
     def shutdown(self) -> None:
         """Stop whatever the executor started (nothing, in one process)."""

@@ -107,15 +107,6 @@ class MultiprocExecutor(Executor):
     def kv_cache_bytes_per_block(self) -> int:
         return self._bytes_per_block
 
-    def determine_num_kv_blocks(self) -> int:
-        return self.collective_rpc("determine_num_kv_blocks")  # rank 0's (every GPU alike)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", num_blocks)
-
-    def execute_model(self, scheduler_output):
-        return self.collective_rpc("execute_model", scheduler_output)
-
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""
         self._finalizer()
@@ -124,11 +115,7 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, *args, timeout_s: float = CALL_TIMEOUT_S):
         """Run ``Worker.<method>(*args)`` on every rank; return rank 0's result (vLLM's
         name). Raises ``WorkerError`` if a worker fails, dies or does not answer in time."""
-        if self._failed is not None:
-            raise WorkerError(f"the tensor-parallel workers were stopped after an earlier failure "
-                              f"({self._failed}): create a new LLM")
-        if not self._finalizer.alive:
-            raise WorkerError("the executor was shut down: create a new LLM")
+        raise_if_stopped(self._failed, self._finalizer)
         call_id = next(self._call_ids)
         for rank, pipe in enumerate(self.pipes):
             try:
@@ -195,6 +182,16 @@ class MultiprocExecutor(Executor):
         self._failed = message.splitlines()[0]
         self.shutdown()
         raise WorkerError(message)
+
+
+def raise_if_stopped(failed: str | None, finalizer: weakref.finalize) -> None:
+    """A call to ranks that an earlier failure (``failed``, its first line) or ``shutdown()``
+    (the ``finalizer`` has run) stopped: a ``WorkerError`` that says to start again."""
+    if failed is not None:
+        raise WorkerError(f"the tensor-parallel workers were stopped after an earlier failure "
+                          f"({failed}): create a new LLM")
+    if not finalizer.alive:
+        raise WorkerError("the executor was shut down: create a new LLM")
 
 
 def _receive(pipe) -> _Reply | None:

@@ -72,6 +72,7 @@ from microvllm.executor.multiproc_executor import (
     STARTUP_TIMEOUT_S,
     WorkerError,
     WorkerProc,
+    raise_if_stopped,
 )
 
 PLACEMENT_TIMEOUT_S = 60.0   # the cluster must have a free CPU (GPU) per rank by then
@@ -187,15 +188,6 @@ class RayDistributedExecutor(Executor):
     def kv_cache_bytes_per_block(self) -> int:
         return self._bytes_per_block
 
-    def determine_num_kv_blocks(self) -> int:
-        return self.collective_rpc("determine_num_kv_blocks")  # rank 0's (every GPU alike)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", num_blocks)
-
-    def execute_model(self, scheduler_output):
-        return self.collective_rpc("execute_model", scheduler_output)
-
     def shutdown(self) -> None:
         """Kill every actor and remove the placement group (idempotent)."""
         self._finalizer()
@@ -204,11 +196,7 @@ class RayDistributedExecutor(Executor):
     def collective_rpc(self, method: str, *args, timeout_s: float = CALL_TIMEOUT_S):
         """Run ``Worker.<method>(*args)`` on every rank; return rank 0's result (vLLM's
         name). Raises ``WorkerError`` if an actor fails, dies or does not answer in time."""
-        if self._failed is not None:
-            raise WorkerError(f"the tensor-parallel workers were stopped after an earlier failure "
-                              f"({self._failed}): create a new LLM")
-        if not self._finalizer.alive:
-            raise WorkerError("the executor was shut down: create a new LLM")
+        raise_if_stopped(self._failed, self._finalizer)
         # One copy in the object store, however many ranks: each node fetches it once. (An
         # ObjectRef passed as an argument reaches the actor as the object itself.)
         args_ref = self._ray.put(args)

@@ -19,15 +19,6 @@ class UniProcExecutor(Executor):
     def kv_cache_bytes_per_block(self) -> int:
         return self.worker.kv_cache_bytes_per_block()
 
-    def determine_num_kv_blocks(self) -> int:
-        return self.worker.determine_num_kv_blocks()
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
-
-    def execute_model(self, scheduler_output):
-        return self.worker.execute_model(scheduler_output)
-
     def collective_rpc(self, method: str, *args):
         """Run ``Worker.<method>(*args)`` on the one worker (vLLM's name)."""
         return getattr(self.worker, method)(*args)

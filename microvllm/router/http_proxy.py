@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 
-from microvllm.core.kv_cache_utils import hash_new_full_blocks
 from microvllm.router.policies import make_policy
 from microvllm.router.policy import ReplicaState, RoutedRequest, RoutingPolicy
 
@@ -45,10 +44,8 @@ class HTTPProxy:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         token_ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(str(prompt))
-        hashes: list = []
-        hash_new_full_blocks(hashes, token_ids, self.block_size)
         self.count += 1
-        request = RoutedRequest(f"proxy-{self.count}", tuple(token_ids), tuple(hashes), self.block_size)
+        request = RoutedRequest.from_token_ids(f"proxy-{self.count}", token_ids, self.block_size)
         states = [ReplicaState(i, num_running=n) for i, n in enumerate(self.in_flight)]
         choice = self.policy.choose(request, states)
         self.policy.on_routed(request, choice)

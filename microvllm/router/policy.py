@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
-from microvllm.core.kv_cache_utils import BlockHash
+from microvllm.core.kv_cache_utils import BlockHash, hash_new_full_blocks
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,13 @@ class RoutedRequest:
     prompt_token_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
     block_size: int
+
+    @classmethod
+    def from_token_ids(cls, request_id: str, token_ids, block_size: int) -> "RoutedRequest":
+        """The request with its block hashes computed as the engine will compute them."""
+        hashes: list = []
+        hash_new_full_blocks(hashes, list(token_ids), block_size)
+        return cls(request_id, tuple(token_ids), tuple(hashes), block_size)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from microvllm.core.kv_cache_utils import hash_new_full_blocks
 from microvllm.engine.metrics import engine_metrics
 from microvllm.router.kv_events import BlockPoolPoller, KVEventsPolicy
 from microvllm.router.policies import make_policy
@@ -133,9 +132,7 @@ class Router:
 
     def routed_request(self, request_id: str, token_ids: Sequence[int]) -> RoutedRequest:
         """The request as a policy sees it: its block hashes, as the engine will compute them."""
-        hashes: list = []
-        hash_new_full_blocks(hashes, list(token_ids), self.block_size)
-        return RoutedRequest(request_id, tuple(token_ids), tuple(hashes), self.block_size)
+        return RoutedRequest.from_token_ids(request_id, token_ids, self.block_size)
 
     def route(self, prompts, sampling_params: SamplingParams | None = None) -> RouteReport:
         """Route and run ``prompts`` (strings or ``{"prompt_token_ids": [...]}``); see the module docstring."""
