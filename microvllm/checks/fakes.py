@@ -19,6 +19,7 @@ from microvllm.core import (
     FullAttentionSpec,
     KVCacheManager,
     KVCacheSpec,
+    MambaSpec,
     Request,
     Scheduler,
     SchedulerConfig,
@@ -56,6 +57,7 @@ class ShadowKVCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.slots: dict[tuple[int, int], tuple[int, int]] = {}
+        self.states: dict[int, list[int]] = {}   # state page -> the tokens its state summarises
 
     def write(self, block_id: int, position: int, token_id: int) -> None:
         assert block_id != 0, f"position {position} is written into the null block"
@@ -75,6 +77,9 @@ class ShadowKVCache:
         bs = self.block_size
         for group_id, spec in enumerate(groups):
             table = block_tables[group_id]
+            if isinstance(spec, MambaSpec):
+                self.advance_state(table, token_ids, start, num, f"{what} group {group_id}")
+                continue
             assert len(table) * bs >= start + num, (
                 f"{what}: group {group_id} has {len(table)} blocks of {bs} slots, too few for "
                 f"positions up to {start + num - 1}")
@@ -83,6 +88,18 @@ class ShadowKVCache:
             for pos in range(start, start + num):
                 for key in range(first_needed_position(spec, pos), pos + 1):
                     self.check_read(table[key // bs], key, token_ids[key], f"{what} group {group_id} q={pos}")
+
+
+    def advance_state(self, table, token_ids: list[int], start: int, num: int, what: str) -> None:
+        """A state group: one page, whose state must summarise exactly positions 0..start-1
+        of this request before it takes positions start..start+num-1 (a new request, start
+        0, begins from an empty state whatever the page held before)."""
+        assert len(table) == 1 and table[0] != 0, f"{what}: a state group needs one real page, got {table}"
+        held = [] if start == 0 else self.states.get(table[0])
+        assert held == token_ids[:start], (
+            f"{what}: page {table[0]} should hold the state of this request's first {start} tokens but holds "
+            f"that of {held}: the state was lost, or one page was given to two requests")
+        self.states[table[0]] = token_ids[:start + num]
 
 
 def feeder_token(request_id: str, position: int, vocab: int = 50) -> int:

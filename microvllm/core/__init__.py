@@ -3,7 +3,7 @@
     request.py                  Request, RequestStatus
     kv_cache_utils.py           KVCacheBlock, FreeKVCacheBlockQueue, prefix hashing
     block_pool.py               BlockPool: ref counts, LRU free queue, hash -> block
-    kv_cache_spec.py            FullAttentionSpec, SlidingWindowSpec (cache groups)
+    kv_cache_spec.py            FullAttentionSpec, SlidingWindowSpec, MambaSpec (cache groups)
     single_type_kv_cache_manager.py   one group's block tables
     kv_cache_manager.py         KVCacheManager: the scheduler's door to the cache
     kv_cache_invariants.py      check_invariants() and InvariantError
@@ -19,7 +19,7 @@ from microvllm.core.block_pool import BlockPool
 from microvllm.core.config import SchedulerConfig
 from microvllm.core.kv_cache_invariants import InvariantError
 from microvllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PoolTooSmallError
-from microvllm.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from microvllm.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from microvllm.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
 from microvllm.core.outputs import EngineCoreOutput
 from microvllm.core.request import Request, RequestStatus
@@ -30,5 +30,5 @@ __all__ = [
     "BlockHash", "BlockPool", "CachedRequestData", "EngineCoreOutput", "FreeKVCacheBlockQueue",
     "FullAttentionSpec", "InvariantError", "KVCacheBlock", "KVCacheBlocks", "KVCacheManager",
     "KVCacheSpec", "NewRequestData", "PoolTooSmallError", "Request", "RequestStatus", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "SlidingWindowSpec", "hash_block_tokens",
+    "MambaSpec", "SchedulerConfig", "SchedulerOutput", "SlidingWindowSpec", "hash_block_tokens",
 ]

@@ -44,6 +44,10 @@ class KVCacheSpec:
         """Blocks a request holds once slots for ``num_new_tokens`` more are allocated."""
         raise NotImplementedError
 
+    def num_table_entries(self, num_tokens: int) -> int:
+        """Entries a block table of ``num_tokens`` computed tokens has (null ones included)."""
+        return cdiv(num_tokens, self.block_size)
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
@@ -91,3 +95,31 @@ def attention_spec(block_size: int, sliding_window: int | None) -> KVCacheSpec:
     if sliding_window:
         return SlidingWindowSpec(block_size, sliding_window)
     return FullAttentionSpec(block_size)
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A layer whose memory of the past is a **state** of constant size (a linear-attention
+    or Mamba layer: Qwen3.5's Gated DeltaNet; vLLM: ``MambaSpec``), not one key and value
+    per token. Its group's block table holds one page per request, the live state, from the
+    first token to the last: the pool's block size is the attention groups' (so the worker
+    pads a page to one size for every group), but this group never needs a second page::
+
+        tokens computed     0      5      12     40
+        attention table     [b3]   [b3 b8] [b3 b8 b1] ...
+        state table         [b9]   [b9]   [b9]   [b9]      b9: conv + recurrent state
+
+    No prefix-cache hits: a state is the summary of every token before it, so a page can
+    be reused only for the exact prefix it summarises at exactly its length (snapshots at
+    block boundaries: not yet). A hybrid's hit is the shortest over its groups, so 0."""
+
+    kind: ClassVar[str] = "mamba"
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        return 1
+
+    def num_blocks_needed(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        return 1
+
+    def num_table_entries(self, num_tokens: int) -> int:
+        return 1 if num_tokens else 0

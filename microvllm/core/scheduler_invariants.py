@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from microvllm.core.kv_cache_invariants import InvariantError
-from microvllm.core.kv_cache_utils import cdiv
 from microvllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -50,8 +49,9 @@ def _check_running_request(scheduler: Scheduler, request: Request) -> None:
             f"request {rid!r} has num_computed_tokens {request.num_computed_tokens}, outside "
             f"0..min(num_tokens={request.num_tokens}, max_model_len={scheduler.max_model_len})"
         )
-    needed = cdiv(request.num_computed_tokens, scheduler.kv_cache_manager.block_size)
-    for group_id, block_ids in enumerate(scheduler.kv_cache_manager.get_block_ids(rid)):
+    manager = scheduler.kv_cache_manager
+    for group_id, block_ids in enumerate(manager.get_block_ids(rid)):
+        needed = manager.kv_cache_groups[group_id].num_table_entries(request.num_computed_tokens)
         if len(block_ids) < needed:
             raise InvariantError(
                 f"request {rid!r}, group {group_id}: {len(block_ids)} blocks cannot hold its "

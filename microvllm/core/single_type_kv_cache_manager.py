@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from microvllm.core.block_pool import BlockPool
-from microvllm.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from microvllm.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from microvllm.core.kv_cache_utils import BlockHash, KVCacheBlock, cdiv
 
 if TYPE_CHECKING:
@@ -203,3 +203,30 @@ def get_manager_for_kv_cache_spec(
     if manager_class is None:
         raise ValueError(f"no KV cache manager for {type(kv_cache_spec).__name__}")
     return manager_class(kv_cache_spec, block_pool, kv_cache_group_id)
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """The state group (``MambaSpec``): one page per request, allocated with its first
+    tokens and kept until it finishes or is preempted (its state is then lost: the request
+    is recomputed from its first token, as every preempted request is here)."""
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        req_blocks = self.req_to_blocks[request_id]
+        if req_blocks:
+            return []
+        req_blocks.extend(self.block_pool.get_new_blocks(1))
+        return list(req_blocks)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Never: a state page is not the KV of one block of tokens (see ``MambaSpec``)."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        return []
+
+
+spec_manager_map[MambaSpec] = MambaManager
