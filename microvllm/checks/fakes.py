@@ -91,15 +91,26 @@ class ShadowKVCache:
 
 
     def advance_state(self, table, token_ids: list[int], start: int, num: int, what: str) -> None:
-        """A state group: one page, whose state must summarise exactly positions 0..start-1
-        of this request before it takes positions start..start+num-1 (a new request, start
-        0, begins from an empty state whatever the page held before)."""
-        assert len(table) == 1 and table[0] != 0, f"{what}: a state group needs one real page, got {table}"
-        held = [] if start == 0 else self.states.get(table[0])
-        assert held == token_ids[:start], (
-            f"{what}: page {table[0]} should hold the state of this request's first {start} tokens but holds "
-            f"that of {held}: the state was lost, or one page was given to two requests")
-        self.states[table[0]] = token_ids[:start + num]
+        """A state group (``MambaSpec``): the page of block (start-1)//B must hold the state
+        of exactly this request's first ``start`` tokens (a start of 0 reads nothing); the
+        step then writes the state after each block boundary it crosses into that block's
+        page, and the state after its last token into the last block's page."""
+        bs = self.block_size
+        assert len(table) * bs >= start + num, (
+            f"{what}: {len(table)} state entries of {bs} tokens, too few for positions up to {start + num - 1}")
+        if start > 0:
+            page = table[(start - 1) // bs]
+            assert page != 0, f"{what}: the state after {start} tokens is needed but its page is null"
+            held = self.states.get(page)
+            assert held == token_ids[:start], (
+                f"{what}: page {page} should hold the state of this request's first {start} tokens but "
+                f"holds that of {held}: the state was lost, a wrong snapshot was hit, or one page was "
+                "given to two requests")
+        end = start + num
+        for boundary in [*range((start // bs + 1) * bs, end, bs), end]:
+            page = table[(boundary - 1) // bs]
+            assert page != 0, f"{what}: the state after {boundary} tokens is written into the null block"
+            self.states[page] = token_ids[:boundary]
 
 
 def feeder_token(request_id: str, position: int, vocab: int = 50) -> int:

@@ -21,7 +21,7 @@ from microvllm.checks.report import (
     run_checks,
     run_property,
 )
-from microvllm.core import FullAttentionSpec, PoolTooSmallError, SlidingWindowSpec
+from microvllm.core import FullAttentionSpec, MambaSpec, PoolTooSmallError, SlidingWindowSpec
 
 B = 4
 
@@ -240,19 +240,23 @@ def run_workload(workload, scheduler_class=None) -> None:
         expect_equal(got, expected, f"request {rid}: wrong tokens or finish reason", input=where)
 
 
-def workloads():
+def workloads(kinds: tuple[str, ...] = ("full", "sliding", "hybrid")):
     """A hypothesis strategy: ``(cache groups, scheduler config, requests)`` of a random
     workload (block sizes, sliding windows, budgets, pool sizes, stop rules) in which every
-    request fits the pool alone, so every request must finish."""
+    request fits the pool alone, so every request must finish. ``kinds``: which cache
+    groups to draw from (``mamba_hybrid``: full attention beside a state group, its
+    snapshots on or off)."""
     from hypothesis import strategies as st
 
     @st.composite
     def workloads(draw):
         block_size = draw(st.integers(1, 4))
-        kind = draw(st.sampled_from(["full", "sliding", "hybrid"]))
+        kind = draw(st.sampled_from(kinds))
         window = draw(st.integers(1, 10))
         groups = {"full": [FullAttentionSpec(block_size)], "sliding": [SlidingWindowSpec(block_size, window)],
-                  "hybrid": [FullAttentionSpec(block_size), SlidingWindowSpec(block_size, window)]}[kind]
+                  "hybrid": [FullAttentionSpec(block_size), SlidingWindowSpec(block_size, window)],
+                  "mamba_hybrid": [FullAttentionSpec(block_size), MambaSpec(block_size, draw(st.booleans()))],
+                  }[kind]
         max_model_len = draw(st.integers(8, 40))
         requests = []
         for i in range(draw(st.integers(1, 8))):

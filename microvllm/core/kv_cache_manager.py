@@ -2,7 +2,7 @@
 
     Scheduler --get_computed_blocks / allocate_slots / free--> KVCacheManager
                                                                  | one per cache group
-                                          FullAttentionManager, SlidingWindowManager
+                            FullAttentionManager, SlidingWindowManager, MambaManager
                                                                  | all share
                                                              BlockPool
 
@@ -155,6 +155,8 @@ class KVCacheManager:
         request_id = request.request_id
 
         for manager in self.single_type_managers:
+            if self.enable_caching:   # a state group's snapshots of the last step, before its old pages go
+                manager.cache_blocks(request, request.num_computed_tokens)
             manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -193,6 +195,8 @@ class KVCacheManager:
         """Return all of a request's blocks to the pool, tail first. O(blocks of the request)."""
         request_id = request if isinstance(request, str) else request.request_id
         for manager in self.single_type_managers:
+            if self.enable_caching and not isinstance(request, str):   # a state group's last snapshots
+                manager.cache_blocks(request, request.num_computed_tokens)
             manager.free(request_id)
 
     # --------------------------------------------------------------- queries

@@ -101,25 +101,35 @@ def attention_spec(block_size: int, sliding_window: int | None) -> KVCacheSpec:
 class MambaSpec(KVCacheSpec):
     """A layer whose memory of the past is a **state** of constant size (a linear-attention
     or Mamba layer: Qwen3.5's Gated DeltaNet; vLLM: ``MambaSpec``), not one key and value
-    per token. Its group's block table holds one page per request, the live state, from the
-    first token to the last: the pool's block size is the attention groups' (so the worker
-    pads a page to one size for every group), but this group never needs a second page::
+    per token. Each request's state group has a block table like attention's, one entry per
+    ``block_size`` tokens, but entry i holds one *page*: the state after the tokens up to
+    the end of block i (a **snapshot** once the block is full; the live state while it is
+    being filled). Computing tokens c .. c+n-1 reads the state of page (c-1)//B and writes
+    one page per block boundary it crosses plus the page of its last token::
 
-        tokens computed     0      5      12     40
-        attention table     [b3]   [b3 b8] [b3 b8 b1] ...
-        state table         [b9]   [b9]   [b9]   [b9]      b9: conv + recurrent state
+        B = 4, 10 tokens computed, then 3 more (tokens 10, 11, 12)
+        entry        0        1        2          3
+        state of   t0..t3   t0..t7   t0..t11    t0..t12
+        before     [null  |  null  |  p5 (live: t0..t9)]
+        after      [null  |  null  |  p5 (snapshot) | p2 (live)]     reads p5, writes p5, p2
 
-    No prefix-cache hits: a state is the summary of every token before it, so a page can
-    be reused only for the exact prefix it summarises at exactly its length (snapshots at
-    block boundaries: not yet). A hybrid's hit is the shortest over its groups, so 0."""
+    So a request holds one page, two when its next token starts a block: a sliding window
+    of 2 (the state after c tokens sits with position c-1). Older pages are released but
+    keep their hash (``prefix_caching``, vLLM's ``mamba_cache_mode="all"``): free yet
+    cached, like any evictable block, a later request sharing those tokens resumes from
+    the snapshot. Without them (``"none"``) a hybrid's prefix hit is always 0: the state
+    of a prefix exists nowhere, and every group must be able to resume for a hit."""
 
     kind: ClassVar[str] = "mamba"
+    prefix_caching: bool = True
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading entries no step from ``num_computed_tokens`` on will read."""
+        return max(num_computed_tokens - 1, 0) // self.block_size
 
     def max_blocks_held(self, num_tokens: int) -> int:
-        return 1
+        return min(cdiv(num_tokens, self.block_size), 2)
 
     def num_blocks_needed(self, num_computed_tokens: int, num_new_tokens: int) -> int:
-        return 1
-
-    def num_table_entries(self, num_tokens: int) -> int:
-        return 1 if num_tokens else 0
+        total = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        return total - self.num_skipped_blocks(num_computed_tokens)

@@ -205,28 +205,39 @@ def get_manager_for_kv_cache_spec(
     return manager_class(kv_cache_spec, block_pool, kv_cache_group_id)
 
 
-class MambaManager(SingleTypeKVCacheManager):
-    """The state group (``MambaSpec``): one page per request, allocated with its first
-    tokens and kept until it finishes or is preempted (its state is then lost: the request
-    is recomputed from its first token, as every preempted request is here)."""
+class MambaManager(SlidingWindowManager):
+    """The state group (``MambaSpec``): a sliding window of 2 over state pages.
 
-    def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
-    ) -> int:
-        return 0 if self.req_to_blocks.get(request_id) else 1
+    - the page of block (c-1)//B holds the state after c tokens: the one the next step
+      reads (``remove_skipped_blocks`` releases every page before it);
+    - a hit needs only the snapshot at the hit's end, the last entry (the window's
+      ``cdiv(W-1, B) = 1`` block), everything before it null: SlidingWindowManager's search;
+    - a page is registered only once its state is **computed**, at the request's next
+      allocation (before older pages go) or when it is freed: attention registers a block
+      when it is scheduled, as its KV is written before any layer reads it, but a state
+      page of this step could be read by a request admitted after it in the same step.
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        req_blocks = self.req_to_blocks[request_id]
-        if req_blocks:
-            return []
-        req_blocks.extend(self.block_pool.get_new_blocks(1))
-        return list(req_blocks)
+    Preemption drops the pages; the request is recomputed from its first token (or from a
+    snapshot, as any new request)."""
+
+    kv_cache_spec: MambaSpec  # type: ignore[assignment]
+
+    def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
+        SingleTypeKVCacheManager.__init__(self, kv_cache_spec, block_pool, kv_cache_group_id)
+        self.sliding_window = 2
+        self.prefix_caching = kv_cache_spec.prefix_caching
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Never: a state page is not the KV of one block of tokens (see ``MambaSpec``)."""
+        """Register the snapshots of full blocks whose state is computed (not ``num_tokens``,
+        which counts this step's tokens too)."""
+        if self.prefix_caching:
+            super().cache_blocks(request, min(num_tokens, request.num_computed_tokens))
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
-        return []
+        """The longest prefix whose end has a cached snapshot: ``[null, .., null, snapshot]``."""
+        if not self.prefix_caching:
+            return []
+        return super().find_longest_cache_hit(block_hashes, max_length)
 
 
 spec_manager_map[MambaSpec] = MambaManager

@@ -1,9 +1,11 @@
-"""The state group of a hybrid model (``MambaSpec``, ``MambaManager``): one page per
-request beside the attention blocks, from the first token to the last, freed with the
-request or on preemption; no prefix hits for a hybrid without state snapshots; and, under
-random workloads (chunked prefill, preemption, stop rules), the fake runner's shadow
-checks that every step continues exactly the state its request left (never another's)."""
+"""The state group of a hybrid model (``MambaSpec``, ``MambaManager``): a page per block
+of tokens, only the last one or two held; full blocks' pages are snapshots of the state,
+registered once computed and hit where every group can resume; freed with the request or
+on preemption. Under random workloads (chunked prefill, preemption, prefix hits, stop
+rules) the fake runner's shadow checks that every step resumes exactly the state its
+request left (or the snapshot of exactly its prefix), never another's."""
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from microvllm.checks.scheduler import run_workload, workloads
@@ -14,47 +16,83 @@ B = 4
 HYBRID = [FullAttentionSpec(B), MambaSpec(B)]
 
 
-def test_one_state_page_per_request_from_first_token_to_last():
+def ids(kv, rid):
+    return kv.get_block_ids(rid)
+
+
+def test_state_pages_slide_with_the_request():
     kv = KVCacheManager(HYBRID, 16, B)
     a = make_request("a", list(range(10)), B)
-    new = kv.allocate_slots(a, 6)                    # a first chunk
-    assert [len(g) for g in new.blocks] == [2, 1]
-    state_page = kv.get_block_ids("a")[1]
+    new = kv.allocate_slots(a, 6)                      # first chunk: tokens 0..5
+    assert [len(g) for g in new.blocks] == [2, 2]      # a state page per block it reaches
     a.num_computed_tokens = 6
-    assert [len(g) for g in kv.allocate_slots(a, 4).blocks] == [1, 0]   # the rest: no new state page
-    a.num_computed_tokens = 10
-    for _ in range(5):                                 # decode: one slot at a time
-        a.num_computed_tokens -= 1                     # (re-allocating the last position's slot)
+    kv.allocate_slots(a, 4)                            # tokens 6..9: reads the page of block 1
+    table = ids(kv, "a")[1]
+    assert table[0] == 0 and 0 not in table[1:] and len(table) == 3   # page 0 released
+    for position in (10, 11, 12):                      # decode: sample a token, compute it
+        a.append_output_token_ids(position)
+        a.num_computed_tokens = position
         kv.allocate_slots(a, 1)
-        a.num_computed_tokens += 1
-    assert kv.get_block_ids("a")[1] == state_page
+        if position == 10:                             # same block as token 9
+            assert len(ids(kv, "a")[1]) == 3
+    held = [p for p in ids(kv, "a")[1] if p]           # token 12 starts block 3: reads page 2, writes 3
+    assert len(held) == 2
     kv.check_invariants()
     kv.free(a)
     kv.check_invariants()
     assert kv.block_pool.get_num_free_blocks() == kv.num_usable_blocks
 
 
-def test_the_pool_counts_the_state_page():
-    kv = KVCacheManager(HYBRID, 4, B)                  # 3 usable blocks
+def test_the_pool_counts_state_pages():
+    kv = KVCacheManager(HYBRID, 6, B)                  # 5 usable blocks
+    assert kv.num_blocks_needed(8) == 2 + 2            # one token at a time: 2 attention blocks, 2 pages
+    assert kv.num_blocks_to_start(8, 8) == 3 + 2       # a whole 8-token prompt, then its first new token
     a = make_request("a", list(range(8)), B)
-    assert kv.num_blocks_needed(8) == 3                # 2 attention blocks + 1 state page
     assert kv.allocate_slots(a, 8) is not None
-    b = make_request("b", [1], B)
-    assert kv.allocate_slots(b, 1) is None            # no room for b's attention block and state page
+    assert kv.allocate_slots(make_request("b", [1], B), 1) is None
     kv.check_invariants()
 
 
-def test_a_hybrid_gets_no_prefix_hit_where_full_attention_alone_would():
+def finish(kv, prompt, rid="a"):
+    a = make_request(rid, prompt, B)
+    kv.allocate_slots(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
+    kv.free(a)
+
+
+@pytest.mark.parametrize("prefix_caching,expected", [(True, 12), (False, 0)])
+def test_a_hybrid_hits_where_a_snapshot_ends(prefix_caching, expected):
+    kv = KVCacheManager([FullAttentionSpec(B), MambaSpec(B, prefix_caching)], 32, B)
     prompt = list(range(12))
-    for groups, expected in (([FullAttentionSpec(B)], 12), (HYBRID, 0)):
-        kv = KVCacheManager(groups, 32, B)
-        a = make_request("a", prompt, B)
-        kv.allocate_slots(a, len(prompt))
-        a.num_computed_tokens = len(prompt)
-        kv.free(a)
-        blocks, hit = kv.get_computed_blocks(make_request("b", prompt + [99], B))
-        assert hit == expected, groups
-        assert all(len(g) * B == hit for g in blocks.blocks)
+    finish(kv, prompt)
+    blocks, hit = kv.get_computed_blocks(make_request("b", prompt + [99], B))
+    assert hit == expected
+    assert all(len(g) * B == hit for g in blocks.blocks)
+    if hit:   # the state group's hit is the snapshot at its end, nulls before it
+        assert [b.is_null for b in blocks.blocks[1]] == [True, True, False]
+    kv.check_invariants()
+
+
+def test_no_snapshot_before_its_state_is_computed():
+    """Attention registers a block when it is scheduled; a state page only once computed."""
+    kv = KVCacheManager(HYBRID, 32, B)
+    a = make_request("a", list(range(12)), B)
+    kv.allocate_slots(a, 12)                           # scheduled, not yet computed
+    _, hit = kv.get_computed_blocks(make_request("b", list(range(12)) + [7], B))
+    assert hit == 0
+    a.num_computed_tokens = 12                         # the step ran
+    kv.allocate_slots(a, 1)                            # a's next step registers its snapshots
+    _, hit = kv.get_computed_blocks(make_request("c", list(range(12)) + [7], B))
+    assert hit == 12
+
+
+def test_the_hit_stops_at_the_last_snapshot_attention_agrees_with():
+    kv = KVCacheManager(HYBRID, 32, B)
+    finish(kv, list(range(9)))                         # snapshots at 4 and 8
+    _, hit = kv.get_computed_blocks(make_request("b", list(range(8)) + [50, 51, 52, 53, 54], B))
+    assert hit == 8
+    _, hit = kv.get_computed_blocks(make_request("c", list(range(6)), B))   # shorter than 2 blocks
+    assert hit == 4
 
 
 def test_preemption_frees_the_state_and_the_request_starts_over():
@@ -66,11 +104,7 @@ def test_preemption_frees_the_state_and_the_request_starts_over():
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == s.kv_cache_manager.num_usable_blocks
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(kinds=("mamba_hybrid",)))
 def test_random_workloads_on_a_hybrid_keep_every_state_continuous(workload):
-    groups, config, requests = workload
-    hybrid = [FullAttentionSpec(config["block_size"]), MambaSpec(config["block_size"])]
-    # The workload's pool fits every request alone counted as its own groups' full attention;
-    # a hybrid needs that for its attention group plus one page.
-    run_workload((hybrid, {**config, "num_blocks": config["num_blocks"] + 1}, requests))
+    run_workload(workload)
