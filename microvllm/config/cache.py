@@ -14,6 +14,8 @@ class CacheConfig:
 
     block_size              tokens per block (a power of two)
     enable_prefix_caching   reuse the blocks of shared prompt prefixes
+    mamba_cache_mode        a hybrid's state snapshots: "all" (at every block boundary, so
+                            a prefix hit can resume the state) or "none" (vLLM's names)
     num_kv_blocks           the user's fixed number of blocks, or None: as many as fit
                             (vLLM: ``num_gpu_blocks_override``)
     kv_cache_memory_bytes   on a CPU: the bytes the blocks may take (None on CUDA)
@@ -28,6 +30,7 @@ class CacheConfig:
 
     block_size: int = 16
     enable_prefix_caching: bool = True
+    mamba_cache_mode: str = "all"
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = DEFAULT_KV_CACHE_BYTES
     gpu_memory_utilization: float | None = None

@@ -137,6 +137,9 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata=_cli(
         "longest prompt + output in tokens (default: the model's max_position_embeddings)"))
     block_size: int = field(default=16, metadata=_cli("tokens per KV cache block (a power of two)"))
+    mamba_cache_mode: str = field(default="all", metadata=_cli(
+        "hybrid models (linear-attention layers): all = snapshot the state at every block "
+        "boundary so prefix caching can resume from it; none = no snapshots (no prefix hits)"))
     num_kv_blocks: int | None = field(default=None, metadata=_cli(
         "KV cache blocks (default: as many as the KV budget holds, capped at what max_num_seqs "
         "full-length requests could use)"))
@@ -251,13 +254,15 @@ class EngineArgs:
         if dtype != self.dtype:
             logger.info("dtype=%r: using %s, the %s platform's native precision",
                         self.dtype, dtype, platform.name)
+        block_size = self._hybrid_block_size(hf_config, quantization)
         kv_cache_memory_bytes, gpu_memory_utilization = platform.kv_cache_budget(
             self.kv_cache_memory_bytes, self.gpu_memory_utilization)
         return EngineConfig(
             model_config=ModelConfig(model=self.model, model_path=model_path, hf_config=hf_config,
                                      dtype=dtype, seed=self.seed, generation_config=self.generation_config,
                                      max_logprobs=self.max_logprobs, quantization=quantization),
-            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=self.enable_prefix_caching,
+                                     mamba_cache_mode=self.mamba_cache_mode,
                                      num_kv_blocks=self.num_kv_blocks,
                                      kv_cache_memory_bytes=kv_cache_memory_bytes,
                                      gpu_memory_utilization=gpu_memory_utilization),
@@ -271,6 +276,29 @@ class EngineArgs:
             speculative_config=self._speculative_config(hf_config),
             profiler_config=self.profiler_config,
             kv_events_config=None if self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config))
+
+    def _hybrid_block_size(self, hf_config, quantization) -> int:
+        """``block_size``, raised for a hybrid model until a page holds a state (logged, as
+        vLLM logs it); and what a hybrid cannot do here, refused."""
+        layer_types = getattr(hf_config, "layer_types", None) or ()
+        if "linear_attention" not in layer_types:
+            return self.block_size
+        if self.speculative_config is not None:
+            raise ValueError("speculative decoding with a hybrid model (linear-attention layers) is not "
+                             "supported: a rejected draft would have to roll the state back (vLLM keeps a "
+                             "state per draft position); remove speculative_config")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("a hybrid model (linear-attention layers) runs in one process here: "
+                             "use tensor_parallel_size=1")
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r}: a hybrid model (linear-attention layers) "
+                             "runs unquantized weights here")
+        from microvllm.models.qwen3_5 import Qwen3_5ForCausalLM
+        block_size = Qwen3_5ForCausalLM.min_block_size(hf_config, self.block_size)
+        if block_size != self.block_size:
+            logger.info("Setting attention block size to %d tokens so that an attention page holds "
+                        "a linear-attention state (block_size=%d is too small)", block_size, self.block_size)
+        return block_size
 
     def _scheduler_config(self, max_position_embeddings: int) -> SchedulerConfig:
         max_model_len = self.max_model_len
@@ -341,6 +369,9 @@ class EngineArgs:
         _positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, 8, 16, 32...)")
+        if self.mamba_cache_mode not in ("all", "none"):
+            raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r}: choose 'all' (state snapshots "
+                             "at block boundaries) or 'none'")
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
             if self.num_kv_blocks < 2:

@@ -99,7 +99,8 @@ class Engine:
             config, self.prompts.eos_token_ids, self.platform, components)
         self.num_kv_blocks = self._initialize_kv_caches()
         block_size = cache_config.block_size
-        specs = self.executor.kv_cache_layout.kv_cache_specs(block_size)   # one per cache group
+        specs = self.executor.kv_cache_layout.kv_cache_specs(    # one per cache group
+            block_size, mamba_prefix_caching=cache_config.mamba_cache_mode == "all")
         # component(): the class given in components (an exercise's), else the engine's.
         kv_events = config.kv_events_config is not None and config.kv_events_config.enable_kv_cache_events
         self.kv_cache_manager = component(components, "kv_cache_manager", KVCacheManager)(

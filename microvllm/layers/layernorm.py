@@ -39,3 +39,25 @@ class RMSNorm(CustomOp):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * x.to(dtype)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored *zero-centred* (vLLM's name; Gemma, Qwen3-Next, Qwen3.5)::
+
+        y = x / sqrt(mean(x**2) + eps) * (1 + weight)
+
+    multiplied in float32 and rounded once, as Hugging Face's ``Qwen3_5RMSNorm`` does (plain
+    ``RMSNorm`` rounds before the weight). Plain torch on every platform. Takes the residual
+    stream as ``RMSNorm`` does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = residual = residual + x
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)

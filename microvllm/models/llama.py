@@ -139,6 +139,11 @@ class LlamaForCausalLM(nn.Module):
         model returns its sparse block for some or all layers."""
         return LlamaMLP(config)
 
+    def attention_dims(self) -> tuple[int, int]:
+        """``(num_kv_heads, head_dim)`` of this rank's attention layers: the shape of a page."""
+        attn = self.layers[0].self_attn
+        return attn.num_kv_heads, attn.head_dim
+
     def get_kv_cache_spec(self, block_size: int) -> list[KVCacheSpec]:
         """What each layer's KV cache needs, as core's specs (vLLM's ``get_kv_cache_spec``);
         layers with equal specs share a cache group (``self.layout``)."""

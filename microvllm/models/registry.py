@@ -6,6 +6,7 @@ from microvllm.models.llama import LlamaForCausalLM
 from microvllm.models.mistral import MistralForCausalLM
 from microvllm.models.mixtral import MixtralForCausalLM
 from microvllm.models.qwen3 import Qwen3ForCausalLM
+from microvllm.models.qwen3_5 import Qwen3_5ForCausalLM
 from microvllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
@@ -14,6 +15,7 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen3_5")
 
 
 def tiny_config(arch: str = "llama", **overrides):
@@ -38,6 +38,13 @@ def tiny_config(arch: str = "llama", **overrides):
         config = MixtralConfig(**{**common, "intermediate_size": 32, "num_local_experts": 4,
                                   "num_experts_per_tok": 2, "sliding_window": 8, "head_dim": 16,
                                   **overrides})
+    elif arch == "qwen3_5":     # a hybrid: 3 Gated DeltaNet layers, then 1 gated full attention (x2)
+        from transformers import Qwen3_5TextConfig
+        config = Qwen3_5TextConfig(**{**common, "num_hidden_layers": 8, "head_dim": 16,
+                                      "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                      "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                      "linear_conv_kernel_dim": 4, **overrides})
+        config.architectures = ["Qwen3_5ForCausalLM"]
     else:
         raise ValueError(f"arch={arch!r}: choose one of {ARCHITECTURES}")
     return config

@@ -7,6 +7,9 @@ KV cache, one tensor per layer (block 0 is the null block, never written)::
 
     bytes per block = layers x 2 x block_size x num_kv_heads x head_dim x dtype size
 
+(A hybrid's layers share tensors, a block being a page of each: ``layers`` is then the
+number of tensors, ``models/kv_cache_layout.py``.)
+
 With tensor parallelism each rank's worker holds only its own KV heads
 (``num_kv_heads`` per rank), in the same number of blocks on every rank: the
 scheduler's block ids are global.
@@ -57,9 +60,9 @@ class Worker:
         self.model_runner: ModelRunner | None = None
 
     def kv_cache_bytes_per_block(self) -> int:
-        attn = self.model.layers[0].self_attn
-        per_token = 2 * attn.num_kv_heads * attn.head_dim * torch.finfo(self.dtype).bits // 8
-        return len(self.model.layers) * self.config.cache_config.block_size * per_token
+        num_kv_heads, head_dim = self.model.attention_dims()
+        per_token = 2 * num_kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+        return self.model.layout.num_kv_buffers * self.config.cache_config.block_size * per_token
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit, as the platform measures it: on a CPU the byte budget;
@@ -70,18 +73,21 @@ class Worker:
 
     def profile_run(self):
         """One forward of the largest batch the scheduler may send (``worker/profile_run.py``)."""
-        scheduler, attn = self.config.scheduler_config, self.model.layers[0].self_attn
+        scheduler, (num_kv_heads, head_dim) = self.config.scheduler_config, self.model.attention_dims()
         return profile_run(self.model, num_tokens=scheduler.max_num_batched_tokens,
                            max_num_seqs=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len,
-                           block_size=self.config.cache_config.block_size, num_kv_heads=attn.num_kv_heads,
-                           head_dim=attn.head_dim, dtype=self.dtype, device=self.platform.device)
+                           block_size=self.config.cache_config.block_size, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, dtype=self.dtype, device=self.platform.device)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer, then build the runner over them."""
         block_size, scheduler = self.config.cache_config.block_size, self.config.scheduler_config
-        attn, components = self.model.layers[0].self_attn, self.components
-        shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [self.platform.allocate_kv_cache(shape, self.dtype) for _ in self.model.layers]
+        components, layout = self.components, self.model.layout
+        shape = (2, num_blocks, block_size, *self.model.attention_dims())
+        # One tensor per layer, but in a hybrid, where layers of different groups share
+        # tensors (models/kv_cache_layout.py): a block is a page of every tensor.
+        buffers = [self.platform.allocate_kv_cache(shape, self.dtype) for _ in range(layout.num_kv_buffers)]
+        self.kv_caches = [buffers[layout.layer_to_buffer[i]] for i in range(len(self.model.layers))]
         self.model_runner = component(components, "model_runner", ModelRunner)(
             self.model, self.kv_caches, block_size=block_size,
             max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
