@@ -12,7 +12,7 @@ from microvllm.models.tiny import make_tiny_model
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_models")
-    archs = ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral")
+    archs = ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen3_5")
     return {arch: make_tiny_model(root / arch, arch, seed=7) for arch in archs}
 
 

@@ -33,19 +33,22 @@ def run_and_compare(folder, prompts, **settings):
     return llm
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen3_5"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_tiny_models(tiny_models, arch, setting):
-    seeds = {"llama": 11, "mistral": 12, "qwen3": 13, "qwen3_moe": 14, "mixtral": 15}   # hash(str) varies per run
+    seeds = {"llama": 11, "mistral": 12, "qwen3": 13, "qwen3_moe": 14, "mixtral": 15, "qwen3_5": 16}
     prompts = varied_prompts(512, seed=seeds[arch])
-    llm = run_and_compare(tiny_models[arch], prompts, **SETTINGS[setting])
+    settings = dict(SETTINGS[setting])
+    if arch == "qwen3_5" and setting == "preemption":   # 4 cache groups (full + 3 of states) per request
+        settings["num_kv_blocks"] = 30
+    llm = run_and_compare(tiny_models[arch], prompts, **settings)
     trace = llm.trace
     if setting == "preemption":
         assert trace.preemption_steps(), "the pool was meant to be small enough to preempt"
     if setting == "chunked":
         assert any(s.kind == "prefill" and s.num_scheduled_tokens < s.num_prompt_tokens
                    for step in trace for s in step.scheduled), "no prompt was chunked"
-    if setting == "default":
+    if setting == "default" and arch != "qwen3_5":   # a hybrid hits only computed states: test_hybrid.py
         hits = [s.prefix_hit_tokens for step in trace for s in step.scheduled if s.prefix_hit_tokens]
         assert hits, "prompts sharing a prefix should have hit the prefix cache"
 

@@ -8,9 +8,10 @@ from microvllm.attention.metadata import AttentionMetadata
 
 
 def make_kv_caches(model, num_blocks, block_size, dtype=torch.float32):
-    attn = model.layers[0].self_attn
-    shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-    return [torch.zeros(shape, dtype=dtype) for _ in model.layers]
+    """As the worker allocates them: a tensor per layer, shared between groups in a hybrid."""
+    shape = (2, num_blocks, block_size, *model.attention_dims())
+    buffers = [torch.zeros(shape, dtype=dtype) for _ in range(model.layout.num_kv_buffers)]
+    return [buffers[model.layout.layer_to_buffer[i]] for i in range(len(model.layers))]
 
 
 def metadata_for(block_table, block_size, start, num_tokens):
@@ -31,17 +32,19 @@ def metadata_for(block_table, block_size, start, num_tokens):
 def greedy_paged(model, prompt_ids, max_new_tokens, block_size=16, num_blocks=64, seed=0):
     """Prefill the prompt, then decode one token at a time. Returns (prompt logits, new ids)."""
     g = torch.Generator().manual_seed(seed)
-    block_table = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # never block 0
+    scattered = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # never block 0
     kv_caches = make_kv_caches(model, num_blocks, block_size, model.embed_tokens.weight.dtype)
     groups = model.layout.num_groups
+    per_group = len(scattered) // groups    # each group its own blocks: a hybrid's groups share tensors
+    tables = [scattered[i * per_group:(i + 1) * per_group] for i in range(groups)]
     ids = list(prompt_ids)
-    md = metadata_for(block_table, block_size, 0, len(ids))
-    hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, [md] * groups)
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches,
+                   [metadata_for(t, block_size, 0, len(ids)) for t in tables])
     prompt_logits = model.compute_logits(hidden)
     new = [int(prompt_logits[-1].argmax())]
     while len(new) < max_new_tokens:
         pos = len(ids) + len(new) - 1
-        md = metadata_for(block_table, block_size, pos, 1)
-        hidden = model(torch.tensor([new[-1]]), torch.tensor([pos]), kv_caches, [md] * groups)
+        hidden = model(torch.tensor([new[-1]]), torch.tensor([pos]), kv_caches,
+                       [metadata_for(t, block_size, pos, 1) for t in tables])
         new.append(int(model.compute_logits(hidden)[-1].argmax()))
     return prompt_logits, new

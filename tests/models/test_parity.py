@@ -18,7 +18,7 @@ NEW_TOKENS = 40
 LOGIT_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen3", "qwen3_5"])
 def tiny_folder(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=1,
                            tokenizer=False)

@@ -12,12 +12,13 @@ q scaled by d_k^-1/2; g_t <= 0 a log decay, beta_t in (0, 1) a write strength)::
     S  <-  S + k_t (beta_t (v_t - v_old))^T     write only the correction (the delta rule)
     o_t = S^T q_t                               read with the query
 
-``recurrent_gated_delta_rule`` is exactly that loop: what decode runs (one token per
-request per step). ``chunk_gated_delta_rule`` computes the same outputs and final state
-for a long prompt in chunks of C tokens with matrix products (the prefill form): inside a
-chunk the C updates are folded into one triangular solve (the "WY" or "UT" form), and only
-the chunk boundaries are sequential. Both take and return the state, so a prompt can be
-prefilled in several steps (chunked prefill) and then decoded, the state carried across.
+``recurrent_gated_delta_rule`` is exactly that loop, one ``gated_delta_step`` per token:
+what decode runs (one token per request per step). ``chunk_gated_delta_rule`` computes the
+same outputs and final state for a long prompt in chunks of C tokens with matrix products
+(the prefill form): inside a chunk the C updates are folded into one triangular solve (the
+"WY" or "UT" form), and only the chunk boundaries are sequential. Both take and return the
+state, so a prompt can be prefilled in several steps (chunked prefill) and then decoded, the
+state carried across.
 
 Layouts (one sequence; the model runs a batch of them one by one)::
 
@@ -58,20 +59,45 @@ def _initial(state, v, d_k: int) -> torch.Tensor:
     return torch.zeros(v.shape[1], d_k, v.shape[2], dtype=torch.float32, device=v.device)
 
 
+def gated_delta_step(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor,
+                     beta_t: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the rule, every head at once (exercise 18 writes this)::
+
+        q_t, k_t     [H_k, d_k]        as the layer made them, not yet normalised
+        v_t          [H_v, d_v]        H_v = group * H_k: key head h serves value heads
+                                       h*group .. h*group + group-1
+        g_t, beta_t  [H_v]             the log decay (<= 0) and the write strength
+        state        [H_v, d_k, d_v]   float32, after the previous token (left unchanged)
+        returns      (o_t [H_v, d_v], the new state [H_v, d_k, d_v]), both float32
+
+    Per value head: q, k L2-normalised (``l2_normalize``), q times d_k^-1/2, then::
+
+        S  <-  exp(g_t) S                    forget first
+        S  <-  S + k_t (beta_t (v_t - S^T k_t))^T
+        o_t = S^T q_t                        read the new state
+    """
+    group = v_t.shape[0] // k_t.shape[0]
+    ### BEGIN SOLUTION
+    q_t = l2_normalize(q_t.float()).repeat_interleave(group, dim=0) * q_t.shape[-1] ** -0.5
+    k_t = l2_normalize(k_t.float()).repeat_interleave(group, dim=0)
+    ### END SOLUTION
+    ### BEGIN SOLUTION
+    S = state.float() * g_t.float().exp()[:, None, None]
+    v_old = torch.einsum("hk,hkv->hv", k_t, S)
+    correction = beta_t.float()[:, None] * (v_t.float() - v_old)
+    S = S + k_t[:, :, None] * correction[:, None, :]
+    return torch.einsum("hk,hkv->hv", q_t, S), S
+    ### END SOLUTION
+
+
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor | None = None):
-    """The rule token by token: the reference, and the decode step."""
-    out_dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    S = _initial(state, v.transpose(0, 1), k.shape[-1]).clone()   # [H, d_k, d_v]
-    out = torch.empty_like(v)                                         # [H, T, d_v]
-    for t in range(q.shape[1]):
-        S = S * g[:, t].exp()[:, None, None]
-        v_old = torch.einsum("hk,hkv->hv", k[:, t], S)
-        correction = beta[:, t, None] * (v[:, t] - v_old)
-        S = S + k[:, t, :, None] * correction[:, None, :]
-        out[:, t] = torch.einsum("hk,hkv->hv", q[:, t], S)
-    return out.transpose(0, 1).to(out_dtype), S
+    """The rule token by token, ``gated_delta_step`` at each: the reference, and the decode step."""
+    S = _initial(state, v, k.shape[-1])                               # [H_v, d_k, d_v]
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # [T, H_v, d_v]
+    for t in range(q.shape[0]):
+        out[t], S = gated_delta_step(q[t], k[t], v[t], g[t], beta[t], S)
+    return out.to(v.dtype), S
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -1,0 +1,382 @@
+"""Checks for exercise 18: one token of the gated delta rule, every head at once
+(``gated_delta_step`` in ``layers/linear_attention/gated_delta_rule.py``)::
+
+    q_t, k_t [H_k, d_k]   v_t [H_v, d_v]   g_t, beta_t [H_v]   state [H_v, d_k, d_v]
+    q, k L2-normalised, q times d_k^-1/2, key head h serving value heads h*group ..
+    S <- exp(g_t) S;  S <- S + k (beta (v - S^T k))^T;  o_t = S^T q   ->  (o_t, S)
+
+First small cases worked out by hand (a 2 x 2 or 4 x 2 state, round numbers), each built so
+that one usual mistake changes the answer; then a property test: your step in a loop over
+fresh random inputs, from a random state, must give the outputs and the final state of the
+package's *chunked* form (``chunk_gated_delta_rule``, a different algorithm: a triangular
+solve per chunk), the state carried from one call to the next. A wrong answer is compared
+with what each usual mistake would return (the decay after the write, q or k not
+normalised, q not scaled, the state ignored, beta on v alone, the output read before the
+write, exp(g) forgotten), and the matching one is named with what to change.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from microvllm.checks.report import (
+    Case,
+    CheckFailure,
+    CheckResult,
+    not_implemented_message,
+    property_settings,
+    run_checks,
+    run_property,
+)
+
+ATOL, RTOL = 1e-5, 1e-4
+
+
+# ------------------------------------------------------------------- the usual mistakes
+
+
+def _step(q, k, v, g, beta, state, *, gate_after=False, normalize=True, scale=True, from_zeros=False,
+          beta_on_v=False, read_before=False, g_is_factor=False):
+    """The rule, or one usual mistake in it (the checker's own, to name what a wrong answer did)."""
+    from microvllm.layers.linear_attention.gated_delta_rule import l2_normalize
+
+    group = v.shape[0] // k.shape[0]
+    q, k, v, g, beta = q.float(), k.float(), v.float(), g.float(), beta.float()
+    if normalize:
+        q, k = l2_normalize(q), l2_normalize(k)
+    if scale:
+        q = q * q.shape[-1] ** -0.5
+    q, k = q.repeat_interleave(group, dim=0), k.repeat_interleave(group, dim=0)
+    S = torch.zeros_like(state, dtype=torch.float32) if from_zeros else state.float()
+    decay = (g if g_is_factor else g.exp())[:, None, None]
+    if not gate_after:
+        S = S * decay
+    before = torch.einsum("hk,hkv->hv", q, S)
+    v_old = torch.einsum("hk,hkv->hv", k, S)
+    correction = beta[:, None] * v - v_old if beta_on_v else beta[:, None] * (v - v_old)
+    S = S + k[:, :, None] * correction[:, None, :]
+    if gate_after:
+        S = S * decay
+    return (before if read_before else torch.einsum("hk,hkv->hv", q, S)), S
+
+
+MISTAKES = {   # keyword of _step -> (what it is, what to change)
+    "gate_after": ("the decay exp(g_t) is applied after the write, not before it",
+                   "forget first: S = exp(g_t) * S, then compute v_old = S^T k_t from the decayed S and write the "
+                   "correction"),
+    "normalize": ("q_t and k_t are not L2-normalised",
+                  "normalise each head's q and k to length 1 first (l2_normalize, over d_k); the layer hands them "
+                  "over raw"),
+    "scale": ("q_t is not scaled by 1/sqrt(d_k)",
+              "after normalising, multiply q by d_k ** -0.5 (k is not scaled), as attention scales its scores"),
+    "from_zeros": ("the state passed in is ignored: the step starts from zeros",
+                   "start from the state argument (the previous token's state): a request's memory is that state, "
+                   "carried from one call to the next"),
+    "beta_on_v": ("beta_t multiplies v_t only, not the correction v_t - v_old",
+                  "the delta rule writes beta * (v_t - v_old): beta scales the whole correction, so beta = 1 "
+                  "replaces what key k_t recalled, and beta = 0 writes nothing"),
+    "read_before": ("o_t is read from the state before this token's write",
+                    "read with the query after the update: o_t = S^T q_t with the new S (the token sees itself, "
+                    "as attention's causal mask includes the diagonal)"),
+    "g_is_factor": ("g_t is used as the decay factor itself, not as its log",
+                    "g_t <= 0 is a log decay: multiply the state by exp(g_t), a number in (0, 1]"),
+}
+
+
+def _close(got, want) -> bool:
+    return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=RTOL, atol=ATOL)
+
+
+def _diagnose(got_o, got_s, inputs) -> list[tuple[str, str]]:
+    """(what was done, hint) of each usual mistake whose answer equals ``got`` (on some inputs
+    two give the same answer: with g = 0, exp(g) forgotten also zeroes the state)."""
+    found = []
+    for keyword, (what, hint) in MISTAKES.items():
+        flag = keyword not in ("normalize", "scale")
+        o, s = _step(*inputs, **{keyword: flag})
+        if _close(got_o, o) and _close(got_s, s):
+            found.append((what, hint))
+    return found
+
+
+def _fmt(x: torch.Tensor) -> str:
+    return str([[round(v, 4) for v in row] for row in x.float().reshape(x.shape[0], -1).tolist()]) \
+        if x.dim() > 1 else str([round(v, 4) for v in x.float().tolist()])
+
+
+def _describe(q, k, v, g, beta, state) -> str:
+    return (f"q_t={_fmt(q)}, k_t={_fmt(k)}, v_t={_fmt(v)}, g_t={_fmt(g)}, beta_t={_fmt(beta)}, "
+            f"state={_fmt(state)} (each head's d_k x d_v matrix flattened)")
+
+
+def _call(fn, inputs):
+    q, k, v, g, beta, state = inputs
+    given = state.clone()
+    result = fn(*(x.clone() for x in inputs[:5]), given)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise CheckFailure("gated_delta_step must return a pair (o_t, new_state)", got=type(result).__name__,
+                           hint="return o_t, S (the output [H_v, d_v] and the new state [H_v, d_k, d_v])")
+    o, s = result
+    for name, value, shape in (("o_t", o, (v.shape[0], v.shape[1])), ("the new state", s, tuple(state.shape))):
+        if not isinstance(value, torch.Tensor):
+            raise CheckFailure(f"{name} must be a torch tensor", got=type(value).__name__)
+        if tuple(value.shape) != shape:
+            hint = ("o_t has one row per value head, H_v = v_t.shape[0]; with H_k < H_v key heads, repeat each "
+                    "key head for the H_v / H_k value heads it serves (repeat_interleave)")
+            if name == "o_t" and tuple(value.shape) == (v.shape[0], state.shape[1]) and state.shape[1] != v.shape[1]:
+                hint = ("o_t = S^T q_t is [H_v, d_v]: contract q with S's d_k axis (einsum 'hk,hkv->hv'), "
+                        "not its d_v axis")
+            raise CheckFailure(f"{name} has shape {tuple(value.shape)}, expected {shape}",
+                               input=_describe(*inputs), hint=hint)
+    if s.dtype != torch.float32:
+        raise CheckFailure(f"the new state must be float32, got {s.dtype}", input=_describe(*inputs),
+                           hint="compute in float32 (.float() on every input): the state adds up thousands of "
+                                "small writes, and bfloat16 would lose them")
+    if not torch.equal(given, state):
+        raise CheckFailure("your step changed the state passed in (in place)", input=_describe(*inputs),
+                           hint="build a new tensor (S = state * ..., not state *= ... or state.mul_(...)): the "
+                                "engine may keep the old state, e.g. as a prefix-cache snapshot")
+    return o, s
+
+
+def compare(fn, inputs, want_o, want_s, where: str) -> None:
+    """Call ``fn`` on copies of ``inputs``; raise a ``CheckFailure`` unless it returns
+    (``want_o``, ``want_s``) within float32 rounding, naming the usual mistake it matches."""
+    try:
+        got_o, got_s = _call(fn, inputs)
+    except CheckFailure as problem:
+        problem.what = f"{where}: {problem.what}"
+        problem.args = (problem.what,)
+        raise
+    if _close(got_o, want_o) and _close(got_s, want_s):
+        return
+    which = "o_t and the new state" if not _close(got_s, want_s) and not _close(got_o, want_o) else \
+        ("the new state" if not _close(got_s, want_s) else "o_t")
+    diagnosis = _diagnose(got_o, got_s, inputs)
+    what = f"{where}: {which} {'are' if which.startswith('o_t and') else 'is'} wrong"
+    hint = "work the case through by hand with the four lines of the contract, in their order"
+    if len(diagnosis) == 1:
+        what += f" ({diagnosis[0][0]})"
+        hint = diagnosis[0][1]
+    elif diagnosis:
+        what += " (on this input, any of these mistakes gives your answer: " + \
+            "; or ".join(w for w, _ in diagnosis) + ")"
+        hint = " | or: ".join(h for _, h in diagnosis)
+    raise CheckFailure(what, input=_describe(*inputs),
+                       expected=f"o_t={_fmt(want_o)}, state={_fmt(want_s)}",
+                       got=f"o_t={_fmt(got_o)}, state={_fmt(got_s)}", hint=hint)
+
+
+def _t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+HALF = math.log(0.5)
+
+# (name, inputs (q, k, v, g, beta, state), expected o_t, expected state): worked out by hand.
+# One head unless said; d_k = 4 so that q's scale is 1/2; k's and q's lengths are 2 or 5.
+HAND_CASES = (
+    ("an empty state, beta = 1: the state becomes k v^T, and q reads it back",
+     (_t([[2, 0, 0, 0]]), _t([[2, 0, 0, 0]]), _t([[1, 2]]), _t([0]), _t([1]), torch.zeros(1, 4, 2)),
+     _t([[0.5, 1]]), _t([[[1, 2], [0, 0], [0, 0], [0, 0]]])),
+    ("q and k are normalised first (k = [0, 3, 4, 0] has length 5), q scaled by 1/sqrt(d_k) = 1/2",
+     (_t([[0, 0, 0, 5]]), _t([[0, 3, 4, 0]]), _t([[5, 10]]), _t([0]), _t([1]), _t([[[0, 0], [0, 0], [0, 0], [4, 4]]])),
+     _t([[2, 2]]), _t([[[0, 0], [3, 6], [4, 8], [4, 4]]])),
+    ("beta scales the whole correction: S recalls 1 for k, v = 3, beta = 1/2 writes half of 3 - 1",
+     (_t([[2, 0, 0, 0]]), _t([[1, 0, 0, 0]]), _t([[3, 0]]), _t([0]), _t([0.5]), _t([[[1, 0], [0, 0], [0, 0], [0, 1]]])),
+     _t([[1, 0]]), _t([[[2, 0], [0, 0], [0, 0], [0, 1]]])),
+    ("the decay comes first: exp(g) = 1/2 halves the state, then the write corrects what the halved state recalls",
+     (_t([[0, 0, 0, 1]]), _t([[1, 0, 0, 0]]), _t([[4, 0]]), _t([HALF]), _t([1]),
+      _t([[[2, 0], [0, 0], [0, 0], [0, 2]]])),
+     _t([[0, 0.5]]), _t([[[4, 0], [0, 0], [0, 0], [0, 1]]])),
+    ("the state passed in is where the step starts: beta = 0 writes nothing, so o_t reads the decayed state",
+     (_t([[0, 2, 0, 0]]), _t([[1, 0, 0, 0]]), _t([[7, 7]]), _t([HALF]), _t([0]),
+      _t([[[0, 0], [6, 2], [0, 0], [0, 0]]])),
+     _t([[1.5, 0.5]]), _t([[[0, 0], [3, 1], [0, 0], [0, 0]]])),
+    ("two value heads share one key head (H_k = 1, H_v = 2): each has its own v, g, beta and state",
+     (_t([[1, 0, 0, 0]]), _t([[1, 0, 0, 0]]), _t([[2, 0], [0, 4]]), _t([0, HALF]), _t([1, 0.5]),
+      _t([[[0, 0], [0, 0], [0, 0], [0, 0]], [[0, 4], [0, 0], [0, 0], [0, 0]]])),
+     _t([[1, 0], [0, 1.5]]), _t([[[2, 0], [0, 0], [0, 0], [0, 0]], [[0, 3], [0, 0], [0, 0], [0, 0]]])),
+)
+
+
+def _random_inputs(gen, H_k, group, d_k, d_v, T, dtype=torch.float32):
+    H_v = H_k * group
+    q = torch.randn(T, H_k, d_k, generator=gen)
+    k = torch.randn(T, H_k, d_k, generator=gen)
+    v = torch.randn(T, H_v, d_v, generator=gen)
+    g = -torch.rand(T, H_v, generator=gen)               # log decays in (-1, 0]
+    beta = torch.rand(T, H_v, generator=gen)
+    state = torch.randn(H_v, d_k, d_v, generator=gen)
+    return tuple(x.to(dtype) for x in (q, k, v, g, beta)) + (state,)
+
+
+def compare_with_chunked(fn, seed, H_k, group, d_k, d_v, lengths, chunk_size, where) -> None:
+    """``fn`` in a loop over ``sum(lengths)`` tokens from a random state, as several calls of
+    ``lengths`` tokens each (the state carried), against ``chunk_gated_delta_rule``."""
+    from microvllm.layers.linear_attention.gated_delta_rule import chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g, beta, state = _random_inputs(gen, H_k, group, d_k, d_v, sum(lengths))
+    want_o, want_s = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=chunk_size)
+    S, start = state, 0
+    for length in lengths:
+        for t in range(start, start + length):
+            inputs = (q[t], k[t], v[t], g[t], beta[t], S)
+            o_t, S_next = _call(fn, inputs)
+            want_step = _step(*inputs)
+            if not (_close(o_t, want_o[t]) and _close(S_next, want_step[1])):
+                compare(fn, inputs, want_o[t], want_step[1],
+                        f"{where}: token {t} (of {sum(lengths)}, calls of {list(lengths)} tokens)")
+            S = S_next
+        start += length
+    if not _close(S, want_s):
+        raise CheckFailure(f"{where}: the state after {sum(lengths)} tokens differs from the chunked form's",
+                           expected=_fmt(want_s[0]), got=_fmt(S[0]),
+                           hint="each token's step must start from the state the previous one returned")
+
+
+def check_gated_delta_step(gated_delta_step, *, max_examples: int = 25, quiet: bool = False) -> CheckResult:
+    """Check your ``gated_delta_step(q_t, k_t, v_t, g_t, beta_t, state) -> (o_t, new_state)``;
+    print and return the result."""
+    fn = gated_delta_step
+
+    def hand_case(index):
+        def run():
+            name, inputs, want_o, want_s = HAND_CASES[index]
+            compare(fn, inputs, want_o, want_s, "by hand")
+        return run
+
+    def bfloat16_inputs():
+        gen = torch.Generator().manual_seed(3)
+        q, k, v, g, beta, state = _random_inputs(gen, 2, 2, 8, 4, 1, dtype=torch.bfloat16)
+        inputs = (q[0], k[0], v[0], g[0], beta[0], state)
+        compare(fn, inputs, *_step(*inputs), "bfloat16 q, k, v, g, beta (as the model gives them), float32 state")
+
+    def loop_equals_chunked():
+        compare_with_chunked(fn, 0, 2, 2, 8, 6, (20,), 8, "20 tokens, 2 key heads for 4 value heads")
+        compare_with_chunked(fn, 1, 1, 3, 16, 4, (7, 1, 1, 5), 4,
+                             "a prefill of 7 tokens, 2 decode steps, 5 more: the state carried across calls")
+
+    def random_shapes():
+        from hypothesis import given, strategies as st
+
+        @property_settings(max_examples, report_multiple_bugs=False)
+        @given(st.integers(0, 2**31 - 1), st.integers(1, 3), st.integers(1, 3), st.integers(1, 9),
+               st.integers(1, 7), st.lists(st.integers(1, 6), min_size=1, max_size=3), st.sampled_from([2, 4, 64]))
+        def test(seed, H_k, group, d_k, d_v, lengths, chunk_size):
+            compare_with_chunked(fn, seed, H_k, group, d_k, d_v, tuple(lengths), chunk_size,
+                                 f"random inputs (H_k = {H_k}, H_v = {H_k * group}, d_k = {d_k}, d_v = {d_v})")
+
+        run_property(test)
+
+    cases = [Case(f"by hand: {name}", hand_case(i)) for i, (name, *_rest) in enumerate(HAND_CASES)]
+    cases += [
+        Case("bfloat16 inputs: computed in float32, the state returned in float32", bfloat16_inputs),
+        Case("a loop of your steps equals chunk_gated_delta_rule (outputs and final state)", loop_equals_chunked),
+        Case(f"property: {max_examples} random shapes and splits, your loop against the chunked form",
+             random_shapes),
+    ]
+    return run_checks("gated_delta_step", cases, quiet=quiet)
+
+
+# --------------------------------------------------------------------- the layer
+
+
+def run_gated_deltanet_with(gated_delta_step, *, prompt_len: int = 24, decode_steps: int = 8,
+                            quiet: bool = False):
+    """A Gated DeltaNet layer with a tiny Qwen3.5's shapes (random weights) run as the engine
+    runs it: the prompt prefilled with the chunked form, then ``decode_steps`` tokens one at a
+    time, each through ``recurrent_gated_delta_rule`` with your ``gated_delta_step`` in the
+    package's place, the layer's state (conv and recurrent) carried from step to step. The
+    outputs are compared with Hugging Face's ``Qwen3_5GatedDeltaNet`` on the whole sequence
+    at once. Returns an ``EngineRunResult`` (reference and yours: each decode step's largest
+    difference from Hugging Face's output)."""
+    import microvllm.layers.linear_attention.gated_delta_rule as rule
+    from microvllm.checks.engine_run import EngineRunResult
+    from microvllm.layers.linear_attention.gated_deltanet import GatedDeltaNet, LinearAttentionState
+
+    def report(same, reference, yours, message):
+        if not quiet:
+            print(message)
+        return EngineRunResult(same, reference, yours, message)
+
+    try:   # a part not written yet is said in one line, before anything runs
+        name, inputs, want_o, want_s = HAND_CASES[0]
+        compare(gated_delta_step, inputs, want_o, want_s, "the first hand case")
+    except Exception as exc:  # noqa: BLE001 - a learner's bug becomes a report
+        todo = not_implemented_message(exc)
+        return report(False, [], [], f"run_gated_deltanet_with: not implemented yet ({todo})" if todo is not None
+                      else f"your gated_delta_step fails the first hand case: {exc} (run check_gated_delta_step "
+                           "above)")
+
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    config = Qwen3_5TextConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                               linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                               layer_types=["linear_attention", "full_attention"])
+    with torch.random.fork_rng():
+        torch.manual_seed(18)
+        theirs = Qwen3_5GatedDeltaNet(config, layer_idx=0).eval()
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.normal_(0, 0.3)
+        x = torch.randn(prompt_len + decode_steps, config.hidden_size)
+    layer = GatedDeltaNet(config).eval()
+    layer.load_state_dict(theirs.state_dict())
+
+    calls = []
+
+    def yours(*args):
+        calls.append(1)
+        return gated_delta_step(*args)
+
+    def run(step):
+        package = rule.gated_delta_step
+        rule.gated_delta_step = step
+        try:
+            with torch.no_grad():
+                out, state = layer(x[:prompt_len], LinearAttentionState())     # prefill: the chunked form
+                outs = [out]
+                for t in range(prompt_len, prompt_len + decode_steps):         # decode: one step per token
+                    out, state = layer(x[t:t + 1], state)
+                    outs.append(out)
+        finally:
+            rule.gated_delta_step = package
+        return torch.cat(outs)
+
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # not its "falling back to the PyTorch implementation" notes
+    try:
+        with torch.no_grad():
+            want = theirs(x[None])[0]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    reference = run(rule.gated_delta_step)
+    try:
+        got = run(yours)
+    except Exception as exc:  # noqa: BLE001
+        return report(False, [], [], f"your gated_delta_step raised {type(exc).__name__} in the layer: {exc}")
+
+    def per_step(out):
+        return [float((out[t] - want[t]).abs().max()) for t in range(prompt_len, prompt_len + decode_steps)]
+
+    ref_err, your_err = per_step(reference), per_step(got)
+    same = bool(calls) and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    lines = [f"a Gated DeltaNet layer (hidden {config.hidden_size}, 2 key heads for 4 value heads, d_k = d_v = 16): "
+             f"a prompt of {prompt_len} tokens prefilled (chunked form), then {decode_steps} decode steps with your "
+             f"gated_delta_step ({len(calls)} calls), against Hugging Face's Qwen3_5GatedDeltaNet on all "
+             f"{prompt_len + decode_steps} tokens at once"]
+    lines.append("  decode steps within float32 rounding of Hugging Face's: " + " ".join(
+        "✓" if e <= 1e-4 else f"✗ (off by {e:.2g})" for e in your_err))
+    lines.append("The layer's outputs match Hugging Face's at every decode step." if same else
+                 "Your decode steps differ from Hugging Face's: run check_gated_delta_step above, which names the "
+                 "usual mistake yours makes.")
+    return report(same, ref_err, your_err, "\n".join(lines))
