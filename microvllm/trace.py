@@ -93,6 +93,9 @@ class StepTrace:
     block_tables: dict[str, list[list[int]]] = field(default_factory=dict)
     ref_cnts: list[int] = field(default_factory=list)
     block_hashes: list[str | None] = field(default_factory=list)
+    # The cache group whose prefix cache holds each block's hash (-1: no hash): a
+    # hybrid's free cached blocks are KV blocks or state snapshots.
+    block_cache_groups: list[int] = field(default_factory=list)
     free: list[bool] = field(default_factory=list)
     num_free_blocks: int = 0
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -118,6 +121,18 @@ class StepTrace:
                     if request_id not in owners[block_id]:
                         owners[block_id].append(request_id)
         return owners
+
+    def state_pages(self, kv_cache_groups: list[str]) -> set[int]:
+        """Blocks holding a linear-attention state (``mamba`` groups): held by a request's
+        state group, or free but cached as a state snapshot."""
+        state_groups = {g for g, kind in enumerate(kv_cache_groups) if kind == "mamba"}
+        if not state_groups:
+            return set()
+        pages = {b for groups in self.block_tables.values() for g, table in enumerate(groups)
+                 if g in state_groups for b in table}
+        pages |= {b for b, g in enumerate(self.block_cache_groups) if g in state_groups}
+        pages.discard(0)
+        return pages
 
 
 @dataclass

@@ -108,6 +108,7 @@ class StepTracer:
             block_tables=tables, ref_cnts=ref_cnts,
             block_hashes=[short_hash(b.block_hash) if b.block_hash is not None else None
                           for b in pool.blocks],
+            block_cache_groups=[b.kv_cache_group_id if b.block_hash is not None else -1 for b in pool.blocks],
             free=[b.ref_cnt == 0 and not b.is_null for b in pool.blocks],
             num_free_blocks=pool.get_num_free_blocks(),
             new_tokens=new_tokens, allocated_blocks=allocated, freed_blocks=freed,

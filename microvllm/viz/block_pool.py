@@ -8,10 +8,13 @@
     black    edge: allocated in this step (fresh, or a cached block revived by a hit)
     red      inner edge: freed in this step (finished, preempted, or left a sliding window);
              a block can have both: freed and handed out again in the same step
+    corner   a hybrid model's state page (a dark triangle in the top-right corner): held by a
+             request's state group, or free but cached as a state snapshot; the other blocks
+             hold keys and values
 
 Cells of one kind form one collection (fast to draw), with gids `pool-owned`
-(one polygon per stripe), `pool-cached`, `pool-free`, `pool-null`, and the
-outlines `pool-allocated`, `pool-freed`; the cell at
+(one polygon per stripe), `pool-cached`, `pool-free`, `pool-null`, the
+outlines `pool-allocated`, `pool-freed`, and the state pages' corners `pool-state-pages`; the cell at
 column x, row y is block ``y * ncols + x``, with ``ncols = grid_columns(num_blocks, aspect)``
 (aspect 2 for a figure of its own; in the explorer, its panel's width / height, so that
 square cells fill the panel). The ref counts are
@@ -86,6 +89,11 @@ def plot_block_pool(trace: Trace, step: int, ax: Axes | None = None, *, legend: 
     grid = [_cell(b % ncols, b // ncols) for b in range(n) if b != trace.null_block_id]
     ax.add_collection(PolyCollection(grid, facecolors="none", edgecolors="white", linewidths=1.5,
                                      gid="pool-grid"), autolim=False)
+    state_pages = sorted(s.state_pages(trace.kv_cache_groups))
+    if state_pages:
+        ax.add_collection(PolyCollection([_corner(b % ncols, b // ncols) for b in state_pages],
+                                         facecolors=colors.STATE_COLOR, edgecolors="none", gid="pool-state-pages",
+                                         zorder=2.4), autolim=False)
     for gid, blocks, color, inset in (("pool-allocated", s.allocated_blocks, colors.ALLOCATED_COLOR, 0.06),
                                       ("pool-freed", s.freed_blocks, colors.FREED_COLOR, 0.2)):
         outlines = [_cell(b % ncols + inset, b // ncols + inset, 1 - 2 * inset, 1 - 2 * inset) for b in blocks]
@@ -104,6 +112,11 @@ def plot_block_pool(trace: Trace, step: int, ax: Axes | None = None, *, legend: 
     if legend:
         _legend(ax, trace, s.block_tables)
     return fig
+
+
+def _corner(x: float, y: float, size: float = 0.32) -> list[tuple[float, float]]:
+    """The top-right triangle of cell (x, y): the mark of a state page."""
+    return [(x + 1 - size, y), (x + 1, y), (x + 1, y + size)]
 
 
 def _cell(x: float, y: float, width: float = 1.0, height: float = 1.0) -> list[tuple[float, float]]:
@@ -126,4 +139,6 @@ def _legend(ax: Axes, trace: Trace, block_tables: dict) -> None:
                 Patch(facecolor=colors.NULL_COLOR, label="null block"),
                 Patch(facecolor="none", edgecolor=colors.ALLOCATED_COLOR, linewidth=2.5, label="allocated this step"),
                 Patch(facecolor="none", edgecolor=colors.FREED_COLOR, linewidth=2.5, label="freed this step")]
+    if "mamba" in trace.kv_cache_groups:
+        handles.append(Patch(facecolor=colors.STATE_COLOR, label="state page (corner)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)

@@ -19,6 +19,12 @@ are written over them::
                                     ^^       rejected: slots 10-11 of block 7 hatched,
                                              rewritten by the next step's tokens
 
+A hybrid model's state rows (``· mamba``) hold one page per block of tokens: only the
+last one or two are live, the ones before are null (released; their snapshots stay
+cached in the pool). Their cells carry a dark corner, gid `tables-state`. Blocks a
+request got from the prefix cache in this step have a gold edge, gid `tables-hits`: in a
+state row, the one snapshot its state resumes from.
+
 Those slots are one collection, gid `tables-rejected` (one box per rejected slot, x =
 logical block + slot / block_size), drawn only for requests with rejected drafts.
 """
@@ -63,10 +69,16 @@ def plot_block_tables(trace: Trace, step: int, ax: Axes | None = None, *, max_ro
     cell_w = min(room_pt / columns, 2 * cell_h)
     cell_h = min(cell_h, cell_w)            # a few rows: square cells from the top, not tall slabs
     fontsize = min(10, 0.5 * cell_h, cell_w / (0.7 * len(str(trace.num_blocks - 1))))
-    cells, faces, edges, widths, nulls = [], [], [], [], []
+    cells, faces, edges, widths, nulls, corners, hits = [], [], [], [], [], [], []
     centres, labels, inks = [], [], []
+    hit_blocks = {r.request_id: r.prefix_hit_tokens // trace.block_size
+                  for r in s.scheduled if r.prefix_hit_tokens}
     for y, (rid, g) in enumerate(rows):
         for j, block in enumerate(s.block_tables[rid][g]):
+            if j < hit_blocks.get(rid, 0) and block != trace.null_block_id:
+                hits.append(_cell(j, y, 0.12))
+            if groups[g] == "mamba" and block != trace.null_block_id:
+                corners.append([(j + 0.68, y + 0.05), (j + 0.95, y + 0.05), (j + 0.95, y + 0.32)])
             if block == trace.null_block_id:
                 nulls.append(_cell(j, y, 0))
                 centres.append((j + 0.5, y + 0.5))
@@ -86,6 +98,12 @@ def plot_block_tables(trace: Trace, step: int, ax: Axes | None = None, *, max_ro
                                      gid="tables-cells"), autolim=False)
     ax.add_collection(PolyCollection(nulls, facecolors=colors.NULL_COLOR, edgecolors="white",
                                      gid="tables-null"), autolim=False)
+    if corners:
+        ax.add_collection(PolyCollection(corners, facecolors=colors.STATE_COLOR, edgecolors="none",
+                                         gid="tables-state"), autolim=False)
+    if hits:
+        ax.add_collection(PolyCollection(hits, facecolors="none", edgecolors=colors.PREFIX_HIT_COLOR,
+                                         linewidths=2.5, gid="tables-hits"), autolim=False)
     rejected = rejected_slots(trace, step, rows)
     if rejected:
         ax.add_collection(PolyCollection(rejected, facecolors="white", edgecolors=colors.REJECTED_COLOR,
@@ -106,8 +124,10 @@ def plot_block_tables(trace: Trace, step: int, ax: Axes | None = None, *, max_ro
     window = f" · ∅ = left the {trace.sliding_window}-token window (null block)" if trace.sliding_window else ""
     hidden = f" · {len(all_rows) - len(rows)} more rows not shown" if len(all_rows) > len(rows) else ""
     drafts = " · hatched = slots of rejected drafts (still held, rewritten next step)" if rejected else ""
+    state = " · corner = state page" if "mamba" in groups else ""
+    hit = " · gold edge = prefix-cache hit" if hits else ""
     ax.set_title(f"Block tables after step {s.step}{hidden}\nlogical block → physical block · "
-                 f"thick edge = shared{window}{drafts}", fontsize=9, pad=16)
+                 f"thick edge = shared{window}{drafts}{state}{hit}", fontsize=9, pad=16)
     return fig
 
 

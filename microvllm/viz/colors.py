@@ -24,7 +24,8 @@ ALLOCATED_COLOR = "#000000"    # edge of a block allocated in this step (no requ
 FREED_COLOR = "#d62728"        # inner edge of a block freed in this step
 REJECTED_COLOR = "#d62728"     # hatch of rejected draft tokens and of their KV slots
 DRAFT_HATCH, REJECTED_HATCH = "///", "xxx"
-PREFIX_HIT_COLOR = "#f5b800"  # the star beside a bar whose request found cached blocks
+PREFIX_HIT_COLOR = "#f5b800"  # the star beside a bar whose request found cached blocks; a hit block's edge
+STATE_COLOR = "#4b0082"       # the corner mark of a page holding a linear-attention state
 DECODE_ALPHA = 0.45           # decode tokens are drawn fainter than prefill tokens
 
 
