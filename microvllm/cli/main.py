@@ -52,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen.add_argument_group("engine arguments"))
 
     bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench serve | bench structured | "
-                                         "bench hostile | bench targets | bench attention | bench gpu")
+                                         "bench hostile | bench targets | bench attention | bench gpu | "
+                                         "bench router | bench hybrid")
     which = bench.add_subparsers(dest="bench", required=True,
-                                 metavar="{throughput,serve,structured,hostile,targets,attention,gpu}")
+                                 metavar="{throughput,serve,structured,hostile,targets,attention,gpu,router,hybrid}")
     # Listed here for the help; main() hands the line to their own parsers.
     for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
                        ("serve", "load a running server: Poisson arrivals, TTFT / TPOT / ITL"),
@@ -62,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("hostile", "a server under hostile requests: the other clients' token gaps, memory"),
                        ("targets", "decode speed with the kernels built for each CPU target, side by side"),
                        ("attention", "attention kernels (needs a CUDA GPU)"),
-                       ("gpu", "the engine on a CUDA GPU: tokens vs the CPU, kernels, speed")):
+                       ("gpu", "the engine on a CUDA GPU: tokens vs the CPU, kernels, speed"),
+                       ("router", "routing policies side by side on two replicas (vllm-router, the course's)"),
+                       ("hybrid", "prefix caching on a hybrid model, with and without state snapshots")):
         one = which.add_parser(name, help=text, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         from microvllm.collect_env import main as collect_env_main
         return collect_env_main(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["hostile"], ["targets"],
-                                                 ["attention"], ["gpu"], ["router"]):
+                                                 ["attention"], ["gpu"], ["router"], ["hybrid"]):
         if argv[1] == "throughput" and _workload(argv[2:]) == "quantization":   # bench/quantized.py
             from microvllm.bench.quantized import main as bench_main
         elif argv[1] == "throughput" and _workload(argv[2:]) == "moe":   # its own options
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             from microvllm.bench.serve import main as bench_main
         elif argv[1] == "router":
             from microvllm.bench.router import main as bench_main
+        elif argv[1] == "hybrid":
+            from microvllm.bench.hybrid import main as bench_main
         elif argv[1] == "gpu":
             from microvllm.bench.gpu import main as bench_main
         elif argv[1] == "structured":

@@ -31,8 +31,8 @@ from microvllm.attention.backend import AttentionBackend
 from microvllm.layers.attention import Attention
 from microvllm.layers.layernorm import GemmaRMSNorm
 from microvllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
-from microvllm.layers.logits_processor import LogitsProcessor
 from microvllm.layers.linear_attention.paged_state import forward_paged
+from microvllm.layers.logits_processor import LogitsProcessor
 from microvllm.layers.rotary_embedding import RotaryEmbedding, rotate
 from microvllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from microvllm.models.kv_cache_layout import KVCacheLayout
