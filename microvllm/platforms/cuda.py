@@ -81,6 +81,10 @@ class CudaPlatform(Platform):
         """CUDA graphs for decode-only steps, when the attention backend can be captured (the
         Triton kernels read every per-step value from device tensors; the torch backends
         read Python lists)."""
+        if getattr(model, "is_hybrid", False):
+            # Each request's state is read and written page by page in Python (paged_state.py).
+            logger.info("CUDA graphs off: a hybrid model's linear-attention layers loop over requests")
+            return None
         backend = model.layers[0].self_attn.attn.backend
         if not isinstance(backend, TritonAttentionBackend):
             logger.info("CUDA graphs off: attention_backend=%r reads host values each step; "

@@ -7,6 +7,7 @@ request left (or the snapshot of exactly its prefix), never another's."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from microvllm.checks.scheduler import run_workload, workloads
 from microvllm.core import FullAttentionSpec, KVCacheManager, MambaSpec
@@ -108,3 +109,36 @@ def test_preemption_frees_the_state_and_the_request_starts_over():
 @given(workloads(kinds=("mamba_hybrid",)))
 def test_random_workloads_on_a_hybrid_keep_every_state_continuous(workload):
     run_workload(workload)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_arrivals_and_aborts_on_a_hybrid_keep_the_pool_and_every_state_right(data):
+    """Requests arrive between steps (many sharing prefixes, so snapshots get hit), some are
+    aborted while waiting or running, the pool is small enough to preempt; after every step
+    the pool's accounting and every block table are checked (``run_steps``), the fake runner
+    checks every state read, and at the end every block is free."""
+    block_size = data.draw(st.integers(1, 4), "block_size")
+    groups = [FullAttentionSpec(block_size), MambaSpec(block_size, data.draw(st.booleans(), "snapshots"))]
+    max_model_len = 32
+    num_blocks = 2 * -(-(max_model_len + 1) // block_size) + 2 + data.draw(st.integers(0, 8), "extra blocks")
+    s, runner = make_scheduler(groups, num_blocks=num_blocks, block_size=block_size,
+                               max_num_batched_tokens=data.draw(st.integers(2, 24), "budget"), max_model_len=max_model_len,
+                               max_num_seqs=data.draw(st.integers(1, 4), "max_num_seqs"))
+    prefixes = [[3] * 12, list(range(12)), [7, 8] * 6]
+    next_id = 0
+    for _ in range(data.draw(st.integers(1, 30), "steps")):
+        for _ in range(data.draw(st.integers(0, 2), "arrivals")):
+            prompt = prefixes[data.draw(st.integers(0, 2))][:data.draw(st.integers(0, 12))] + \
+                data.draw(st.lists(st.integers(0, 5), max_size=8))
+            s.add_request(make_request(f"r{next_id}", prompt or [1], block_size,
+                                       max_tokens=data.draw(st.integers(1, 10)), ignore_eos=True))
+            next_id += 1
+        if s.requests and data.draw(st.integers(0, 4), "abort?") == 0:
+            s.finish_requests(data.draw(st.sampled_from(sorted(s.requests)), "aborted"))
+            s.check_invariants()
+        run_steps(s, runner, until_done=False, num_steps=1)
+    run_steps(s, runner, max_steps=2000)
+    kv = s.kv_cache_manager
+    kv.check_invariants()
+    assert kv.block_pool.get_num_free_blocks() == kv.num_usable_blocks

@@ -114,6 +114,8 @@ def unsupported_reason(model) -> str | None:
         return f"{dtype} (the fast path runs float32 and bfloat16)"
     if model.norm.weight.device.type != "cpu":
         return "the model is not on a CPU"
+    if getattr(model, "is_hybrid", False):
+        return "linear-attention layers (a hybrid model) are not in the fast path's layer loop"
     if model.qk_norm:
         return "per-head query / key norms (Qwen3) are not in the fast path's layer"
     if getattr(model, "is_mixture_of_experts", False):
