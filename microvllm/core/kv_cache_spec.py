@@ -118,7 +118,14 @@ class MambaSpec(KVCacheSpec):
     keep their hash (``prefix_caching``, vLLM's ``mamba_cache_mode="all"``): free yet
     cached, like any evictable block, a later request sharing those tokens resumes from
     the snapshot. Without them (``"none"``) a hybrid's prefix hit is always 0: the state
-    of a prefix exists nowhere, and every group must be able to resume for a hit."""
+    of a prefix exists nowhere, and every group must be able to resume for a hit.
+
+    Snapshots per request: one per full block of its tokens and per state group, a page
+    each (the bytes of one attention block, the page size being shared). A request *holds*
+    only one or two pages per state group; its older snapshots are free pages that keep
+    their hash, evicted LRU like any cached block, so they cost nothing the pool's free
+    pages would not hold anyway. A prefill chunk writes a page per block it crosses: those
+    are held until its next step."""
 
     kind: ClassVar[str] = "mamba"
     prefix_caching: bool = True
