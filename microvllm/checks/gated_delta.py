@@ -285,25 +285,37 @@ def check_gated_delta_step(gated_delta_step, *, max_examples: int = 25, quiet: b
 # --------------------------------------------------------------------- the layer
 
 
-def run_gated_deltanet_with(gated_delta_step, *, prompt_len: int = 24, decode_steps: int = 8,
-                            quiet: bool = False):
-    """A Gated DeltaNet layer with a tiny Qwen3.5's shapes (random weights) run as the engine
-    runs it: the prompt prefilled with the chunked form, then ``decode_steps`` tokens one at a
-    time, each through ``recurrent_gated_delta_rule`` with your ``gated_delta_step`` in the
-    package's place, the layer's state (conv and recurrent) carried from step to step. The
-    outputs are compared with Hugging Face's ``Qwen3_5GatedDeltaNet`` on the whole sequence
-    at once. Returns an ``EngineRunResult`` (reference and yours: each decode step's largest
-    difference from Hugging Face's output)."""
+PROMPT_LENGTHS = (5, 23, 41)   # token ids, no tokenizer; the longer two prefilled in chunks
+ENGINE_BUDGET = 16             # max_num_batched_tokens: chunked prefill beside decode steps
+
+
+def _prompt(index: int, length: int) -> list[int]:
+    return [(37 * index + 11 * i) % 500 + 3 for i in range(length)]
+
+
+def run_gated_deltanet_with(gated_delta_step, *, max_tokens: int = 8, quiet: bool = False):
+    """Run the engine on a tiny random Qwen3.5 (3 Gated DeltaNet layers beside 1 gated full
+    attention, twice; written to a temporary folder), ``enforce_eager=True``, greedy, on 3
+    prompts with chunked prefill (``max_num_batched_tokens=16``), twice: with the package's
+    ``gated_delta_step`` and with yours in its place in
+    ``microvllm.layers.linear_attention.gated_delta_rule`` (put back afterwards, even on an
+    error). Decode steps go through ``recurrent_gated_delta_rule``, a loop of your function;
+    prefill chunks go through the chunked form. Compares the tokens and their log-probabilities
+    (a tiny random model's greedy tokens can survive a small error) and counts the calls to
+    yours. Returns an ``EngineRunResult`` (the package's tokens and yours)."""
+    import tempfile
+
     import microvllm.layers.linear_attention.gated_delta_rule as rule
-    from microvllm.checks.engine_run import EngineRunResult
-    from microvllm.layers.linear_attention.gated_deltanet import GatedDeltaNet, LinearAttentionState
+    from microvllm import LLM, SamplingParams
+    from microvllm.checks.engine_run import EngineRunResult, _quiet
+    from microvllm.models.tiny import make_tiny_model
 
     def report(same, reference, yours, message):
         if not quiet:
             print(message)
         return EngineRunResult(same, reference, yours, message)
 
-    try:   # a part not written yet is said in one line, before anything runs
+    try:   # a part not written yet is said in one line, before the engine starts
         name, inputs, want_o, want_s = HAND_CASES[0]
         compare(gated_delta_step, inputs, want_o, want_s, "the first hand case")
     except Exception as exc:  # noqa: BLE001 - a learner's bug becomes a report
@@ -312,71 +324,59 @@ def run_gated_deltanet_with(gated_delta_step, *, prompt_len: int = 24, decode_st
                       else f"your gated_delta_step fails the first hand case: {exc} (run check_gated_delta_step "
                            "above)")
 
-    from transformers import Qwen3_5TextConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-
-    config = Qwen3_5TextConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                               linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                               layer_types=["linear_attention", "full_attention"])
-    with torch.random.fork_rng():
-        torch.manual_seed(18)
-        theirs = Qwen3_5GatedDeltaNet(config, layer_idx=0).eval()
-        with torch.no_grad():
-            for p in theirs.parameters():
-                p.normal_(0, 0.3)
-        x = torch.randn(prompt_len + decode_steps, config.hidden_size)
-    layer = GatedDeltaNet(config).eval()
-    layer.load_state_dict(theirs.state_dict())
-
     calls = []
 
     def yours(*args):
         calls.append(1)
         return gated_delta_step(*args)
 
-    def run(step):
-        package = rule.gated_delta_step
-        rule.gated_delta_step = step
+    prompts = [{"prompt_token_ids": _prompt(i, n)} for i, n in enumerate(PROMPT_LENGTHS)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+
+    def generate(llm):
+        llm.reset_prefix_cache()    # every run computes its prompts itself: no state from the other run
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        logprobs = [[step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                    for o in outs]
+        return tokens, logprobs
+
+    package = rule.gated_delta_step
+    with tempfile.TemporaryDirectory(prefix="microvllm-qwen3_5-") as folder:
+        with _quiet():
+            make_tiny_model(folder, "qwen3_5", seed=18, tokenizer=False)
+            llm = LLM(folder, enforce_eager=True, dtype="float32", max_model_len=128,
+                      max_num_batched_tokens=ENGINE_BUDGET, kv_cache_memory_bytes=16 << 20)
+        reference, reference_logprobs = generate(llm)
+        rule.gated_delta_step = yours
         try:
-            with torch.no_grad():
-                out, state = layer(x[:prompt_len], LinearAttentionState())     # prefill: the chunked form
-                outs = [out]
-                for t in range(prompt_len, prompt_len + decode_steps):         # decode: one step per token
-                    out, state = layer(x[t:t + 1], state)
-                    outs.append(out)
+            got, got_logprobs = generate(llm)
+        except Exception as exc:  # noqa: BLE001 - a learner's bug becomes a report
+            return report(False, reference, [], f"The engine stopped inside your gated_delta_step: "
+                                                f"{type(exc).__name__}: {exc}")
         finally:
             rule.gated_delta_step = package
-        return torch.cat(outs)
-
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()   # not its "falling back to the PyTorch implementation" notes
-    try:
-        with torch.no_grad():
-            want = theirs(x[None])[0]
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    reference = run(rule.gated_delta_step)
-    try:
-        got = run(yours)
-    except Exception as exc:  # noqa: BLE001
-        return report(False, [], [], f"your gated_delta_step raised {type(exc).__name__} in the layer: {exc}")
-
-    def per_step(out):
-        return [float((out[t] - want[t]).abs().max()) for t in range(prompt_len, prompt_len + decode_steps)]
-
-    ref_err, your_err = per_step(reference), per_step(got)
-    same = bool(calls) and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
-    lines = [f"a Gated DeltaNet layer (hidden {config.hidden_size}, 2 key heads for 4 value heads, d_k = d_v = 16): "
-             f"a prompt of {prompt_len} tokens prefilled (chunked form), then {decode_steps} decode steps with your "
-             f"gated_delta_step ({len(calls)} calls), against Hugging Face's Qwen3_5GatedDeltaNet on all "
-             f"{prompt_len + decode_steps} tokens at once"]
-    lines.append("  decode steps within float32 rounding of Hugging Face's: " + " ".join(
-        "✓" if e <= 1e-4 else f"✗ (off by {e:.2g})" for e in your_err))
-    lines.append("The layer's outputs match Hugging Face's at every decode step." if same else
-                 "Your decode steps differ from Hugging Face's: run check_gated_delta_step above, which names the "
-                 "usual mistake yours makes.")
-    return report(same, ref_err, your_err, "\n".join(lines))
+    worst = max((abs(a - b) for ref, mine in zip(reference_logprobs, got_logprobs) for a, b in zip(ref, mine)),
+                default=0.0)
+    close = worst <= 1e-4
+    lines = [f"A tiny random Qwen3.5 in the engine (6 Gated DeltaNet layers beside 2 of gated full attention), "
+             f"enforce_eager=True, chunked prefill ({ENGINE_BUDGET} tokens a step): {len(prompts)} prompts x "
+             f"{max_tokens} greedy tokens, with your gated_delta_step ({len(calls)} calls: each decode step runs it "
+             "once per request and Gated DeltaNet layer)"]
+    for prompt, ref, tokens in zip(PROMPT_LENGTHS, reference, got):
+        lines.append(f"  a prompt of {prompt:2} tokens: {'✓' if ref == tokens else '✗'} {tokens}")
+        if ref != tokens:
+            lines.append(f"      the package's: {ref}")
+    lines.append(f"  largest difference of a generated token's log-probability from the package's run: {worst:.2g}")
+    same = reference == got and close and bool(calls)
+    if not calls:
+        lines.append("The engine never called your gated_delta_step.")
+    elif same:
+        lines.append("Same tokens and log-probabilities as the package's gated_delta_step (whose tokens equal "
+                     "Hugging Face's generate).")
+    else:
+        lines.append(("Your tokens differ" if reference != got else
+                      "The same tokens, but the log-probabilities differ: a smaller error, that a larger model would "
+                      "turn into other tokens") + ": run check_gated_delta_step above, which names the usual "
+                     "mistake yours makes.")
+    return report(same, reference, got, "\n".join(lines))

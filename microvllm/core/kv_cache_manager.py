@@ -156,7 +156,7 @@ class KVCacheManager:
 
         for manager in self.single_type_managers:
             if self.enable_caching:   # a state group's snapshots of the last step, before its old pages go
-                manager.cache_blocks(request, request.num_computed_tokens)
+                manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -196,7 +196,7 @@ class KVCacheManager:
         request_id = request if isinstance(request, str) else request.request_id
         for manager in self.single_type_managers:
             if self.enable_caching and not isinstance(request, str):   # a state group's last snapshots
-                manager.cache_blocks(request, request.num_computed_tokens)
+                manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             manager.free(request_id)
 
     # --------------------------------------------------------------- queries

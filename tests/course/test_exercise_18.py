@@ -1,8 +1,10 @@
 """Exercise 18 (gated_delta_step: one token of the gated delta rule): the package's
 recurrent form is a loop of it, the checker passes it and names the cause of each usual
-mistake, and the layer cell tells a wrong step from the right one and puts the package's back."""
+mistake, and the engine cell (a tiny Qwen3.5 decoding through it) tells a wrong step from the right
+one and puts the package's back, even after an error."""
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -105,14 +107,32 @@ def test_a_todo_is_reported_as_not_implemented():
     assert "not implemented yet" in run_gated_deltanet_with(todo, quiet=True).message
 
 
-def test_the_layer_cell_tells_a_wrong_step_from_the_right_one():
-    result = run_gated_deltanet_with(gated_delta_step, decode_steps=3, quiet=True)
-    assert result.same and "(3 calls)" in result.message, result.message
-    # the first hand case already fails this one: told before the layer runs
+def calls_in(message: str) -> int:
+    found = re.search(r"\((\d+) calls", message)
+    return int(found.group(1)) if found else 0
+
+
+def test_the_engine_cell_tells_a_wrong_step_from_the_right_one():
+    result = run_gated_deltanet_with(gated_delta_step, max_tokens=3, quiet=True)
+    assert result.same and calls_in(result.message) > 0, result.message
+    assert len(result.reference) == 3 and all(len(tokens) == 3 for tokens in result.reference)
+    # the first hand case already fails this one: told before the engine starts
     early = run_gated_deltanet_with(MUTANTS["q not scaled by 1/sqrt(d_k)"], quiet=True)
     assert not early.same and "check_gated_delta_step" in early.message, early.message
 
-    # passes the first hand case (an empty state, g = 0), wrong in the layer
-    wrong = run_gated_deltanet_with(MUTANTS["decay applied after the write"], decode_steps=3, quiet=True)
+    # passes the first hand case (an empty state, g = 0), wrong in the engine
+    wrong = run_gated_deltanet_with(MUTANTS["decay applied after the write"], max_tokens=3, quiet=True)
     assert not wrong.same and "✗" in wrong.message and "check_gated_delta_step" in wrong.message, wrong.message
+    assert calls_in(wrong.message) > 0
     assert rule.gated_delta_step is gated_delta_step   # the package's step is put back
+
+
+def test_the_packages_step_is_put_back_after_an_error():
+    def broken(*args):
+        if args[-1].abs().sum() > 0:   # passes the first hand case (a zero state), fails in the engine
+            raise RuntimeError("broken on purpose")
+        return gated_delta_step(*args)
+
+    result = run_gated_deltanet_with(broken, max_tokens=2, quiet=True)
+    assert not result.same and "broken on purpose" in result.message, result.message
+    assert rule.gated_delta_step is gated_delta_step

@@ -3,6 +3,8 @@ greedy tokens of Hugging Face ``generate`` on a tiny Llama."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from microvllm import LLM, SamplingParams
@@ -102,11 +104,12 @@ def test_solution_plugs_into_the_engine_with_hf_identical_tokens(name, tiny_llam
     if name == "17_moe_align":   # a tiny Qwen3-MoE whose sorted experts call it at every step
         _qwen3_moe_with_the_solution_alignment(tmp_path, module.moe_align_block_size)
         return
-    if name == "18_gated_delta_step":   # a Gated DeltaNet layer decoding through it (no hybrid model in the engine yet)
+    if name == "18_gated_delta_step":   # a tiny Qwen3.5 whose decode steps call it in every Gated DeltaNet layer
         from microvllm.checks.gated_delta import run_gated_deltanet_with
 
         result = run_gated_deltanet_with(module.gated_delta_step, quiet=True)
-        assert result.same and "(8 calls)" in result.message, result.message
+        calls = re.search(r"\((\d+) calls", result.message)
+        assert result.same and calls and int(calls.group(1)) > 0, result.message
         return
     if name == "20_prefix_router":   # two replicas behind the Router, the solution choosing for each request
         _router_with_the_solution_choice(tiny_llama, module.choose_prefix_replica)

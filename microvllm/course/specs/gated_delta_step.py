@@ -90,11 +90,13 @@ assert state[0, 0, 0] == 2.0, "the state passed in must not change"
 ```""",
     ),
     checks=("result = check_gated_delta_step(gated_delta_step)",),
-    engine_intro="""`run_gated_deltanet_with(gated_delta_step)` builds one Gated DeltaNet layer with a tiny
-Qwen3.5's shapes (random weights), prefills a 24-token prompt with the chunked form, then runs 8
-decode steps as the engine does, one token at a time, each through `recurrent_gated_delta_rule`
-with your function in the package's place, the layer's conv and recurrent state carried from step
-to step. Its outputs are compared with Hugging Face's `Qwen3_5GatedDeltaNet` run on all 32 tokens
-at once. It takes a few seconds.""",
+    engine_intro="""`run_gated_deltanet_with(gated_delta_step)` runs the engine on a tiny random Qwen3.5 (6
+Gated DeltaNet layers beside 2 of gated full attention), `enforce_eager=True`, greedy, on 3 prompts
+with chunked prefill (16 tokens a step), twice: with the package's `gated_delta_step`, then with
+yours in its place. Prefill chunks go through the chunked form; every decode step goes through
+`recurrent_gated_delta_rule`, a loop of your function, once per request and Gated DeltaNet layer,
+the state read from and written back to its page in the KV cache. It compares the tokens and their
+log-probabilities (a tiny random model's greedy tokens can survive a small error), counts the calls
+to your function, and puts the package's back afterwards. It takes a few seconds.""",
     engine="run_gated_deltanet_with(gated_delta_step)",
 )
