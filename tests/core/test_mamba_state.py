@@ -142,3 +142,16 @@ def test_random_arrivals_and_aborts_on_a_hybrid_keep_the_pool_and_every_state_ri
     kv = s.kv_cache_manager
     kv.check_invariants()
     assert kv.block_pool.get_num_free_blocks() == kv.num_usable_blocks
+
+
+def test_a_request_computed_past_its_tokens_registers_only_its_full_blocks():
+    """A stop can leave num_computed_tokens one past the request's tokens (the stopping
+    token was computed, then not kept): only blocks of its tokens have hashes."""
+    kv = KVCacheManager(HYBRID, 32, B)
+    a = make_request("a", list(range(8)), B)
+    kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9                          # one past its 8 tokens
+    kv.free(a)                                         # registers 2 snapshots, not 3
+    kv.check_invariants()
+    _, hit = kv.get_computed_blocks(make_request("b", list(range(8)) + [1], B))
+    assert hit == 8
