@@ -148,10 +148,10 @@ def test_a_request_computed_past_its_tokens_registers_only_its_full_blocks():
     """A stop can leave num_computed_tokens one past the request's tokens (the stopping
     token was computed, then not kept): only blocks of its tokens have hashes."""
     kv = KVCacheManager(HYBRID, 32, B)
-    a = make_request("a", list(range(8)), B)
-    kv.allocate_slots(a, 9)
-    a.num_computed_tokens = 9                          # one past its 8 tokens
-    kv.free(a)                                         # registers 2 snapshots, not 3
+    a = make_request("a", list(range(7)), B)
+    kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8                          # one past its 7 tokens: a block boundary
+    kv.free(a)                                         # registers 1 snapshot, not 2
     kv.check_invariants()
-    _, hit = kv.get_computed_blocks(make_request("b", list(range(8)) + [1], B))
-    assert hit == 8
+    _, hit = kv.get_computed_blocks(make_request("b", list(range(7)) + [1, 2], B))
+    assert hit == 4
