@@ -290,7 +290,9 @@ class AsyncLLM(EngineClient):
             return
         while True:
             kind, payload, future = command
-            if kind == "add":
+            # A caller cancelled while its request waited here (a client that hung up) has
+            # its future cancelled, and an abort follows: nothing to add, nobody to answer.
+            if kind == "add" and future.set_running_or_notify_cancel():
                 try:
                     self.engine.add_processed_request(payload)
                     self.metrics.on_arrival(payload.request_id, time.monotonic())

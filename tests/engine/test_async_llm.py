@@ -190,3 +190,18 @@ def test_vllm_async_streaming_shape(tiny_models):
         assert "".join(pieces) == again[0].outputs[0].text
     finally:
         engine.shutdown()
+
+
+def test_a_request_cancelled_before_the_engine_takes_it_leaves_the_engine_running(async_llm):
+    """A client that hangs up while its request waits for the engine thread cancels the
+    request's future; the engine thread must skip it (it once raised InvalidStateError
+    there and the engine-core loop died: every later request got 503)."""
+    import concurrent.futures
+
+    processed = async_llm.engine.process_request("cancelled-early", "hello", SamplingParams(max_tokens=2))
+    future = concurrent.futures.Future()
+    future.cancel()
+    async_llm._commands.put(("add", processed, future))
+    outs = run(collect(async_llm, "still here", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))
+    assert outs[-1].finished and async_llm.is_running
+    assert not async_llm.engine.has_unfinished_requests()   # the cancelled one was never added
