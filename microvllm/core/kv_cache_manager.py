@@ -123,7 +123,8 @@ class KVCacheManager:
     # --------------------------------------------------------------- allocate
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
+                       new_computed_blocks: KVCacheBlocks | None = None, *,
+                       delay_cache_blocks: bool = False) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens; return the NEW blocks, or None.
 
             | computed       | new computed   | new tokens     | empty |
@@ -147,6 +148,10 @@ class KVCacheManager:
         either way: they are never needed again.)
         On success: touches the hits, allocates, and registers blocks that are
         now full in the prefix cache. O(blocks of the request).
+
+        ``delay_cache_blocks=True`` (a KV connector's load: the "new tokens" are loaded,
+        not computed, and arrive a step later) registers nothing: ``cache_blocks`` does,
+        once the load is done.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens is {num_new_tokens}: allocate_slots needs at least 1 token")
@@ -182,7 +187,7 @@ class KVCacheManager:
         new_blocks = [manager.allocate_new_blocks(request_id, num_tokens_need_slot)
                       for manager in self.single_type_managers]
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             # Registered when scheduled: a request admitted later in this step may
             # hit them, as every layer writes the step's KV before attention reads.
             # Only tokens computed by this step (never lookahead slots, never drafts).
@@ -190,6 +195,28 @@ class KVCacheManager:
             for manager in self.single_type_managers:
                 manager.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(tuple(new_blocks))
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks up to ``num_computed_tokens`` in the prefix
+        cache (after a KV connector's load; vLLM's name). O(blocks of the request)."""
+        if self.enable_caching:
+            for manager in self.single_type_managers:
+                manager.cache_blocks(request, num_computed_tokens)
+
+    def detach_blocks(self, request_id: str) -> KVCacheBlocks:
+        """Take a request's block tables away from it WITHOUT freeing them: the caller now
+        holds their references and must give them back with ``free_blocks`` (a KV
+        connector's delayed free, or blocks held for a request between its load and its
+        admission). O(groups)."""
+        blocks = tuple(manager.req_to_blocks.pop(request_id, []) for manager in self.single_type_managers)
+        for manager in self.single_type_managers:
+            manager.num_cached_block.pop(request_id, None)
+        return KVCacheBlocks(blocks)
+
+    def free_blocks(self, blocks: KVCacheBlocks) -> None:
+        """Give back references taken with ``detach_blocks``, tail first (as ``free``). O(blocks)."""
+        for group in blocks.blocks:
+            self.block_pool.free_blocks(reversed(group))
 
     def free(self, request: Request | str) -> None:
         """Return all of a request's blocks to the pool, tail first. O(blocks of the request)."""

@@ -19,9 +19,11 @@ next one, which grows ``num_tokens`` by one again.
 Life cycle (see ``core/scheduler.py`` for the full timeline):
 
     WAITING -> RUNNING -> FINISHED_STOPPED | FINISHED_LENGTH_CAPPED | FINISHED_ABORTED
-                 |  ^
-                 v  |  (preempted: blocks freed, num_computed_tokens = 0)
-               PREEMPTED
+     |   ^       |  ^
+     |   |       v  |  (preempted: blocks freed, num_computed_tokens = 0)
+     |   |     PREEMPTED
+     v   | loaded (a KV connector: its blocks wait, cached, to be admitted as prefix hits)
+    WAITING_FOR_REMOTE_KVS   (a KV connector loads some of its blocks; not schedulable)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class RequestStatus(enum.IntEnum):
     """Where a request is. Every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # a KV connector is loading its blocks
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS or a stop token
@@ -101,6 +104,8 @@ class Request:
         # Speculative decoding: the drafter's guesses of the next tokens, checked by the
         # target at the next step (they are not tokens of the request until accepted).
         self.spec_token_ids: list[int] = []
+        # KV connectors (disaggregated serving): what the client sent, and what goes back.
+        self.kv_transfer_params: dict | None = None
 
         # Hashes of the full blocks of all_token_ids, grown as tokens arrive.
         self.block_hashes: list[BlockHash] = []

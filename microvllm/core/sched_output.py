@@ -70,6 +70,9 @@ class SchedulerOutput:
     # int32 tensor [rows, vocab/32]) says which ids request i may sample.
     structured_output_request_ids: tuple[str, ...] = ()
     grammar_bitmask: Any = None
+    # KV connectors: the scheduler side's orders for the worker side this step (loads,
+    # saves), built by ``connector.build_connector_meta``; None without a connector.
+    kv_connector_metadata: Any = None
 
     def __post_init__(self) -> None:
         # Accept plain dicts from callers but store read-only views.

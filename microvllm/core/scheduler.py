@@ -37,27 +37,45 @@ The same request in numbers (prompt of 10 tokens, budget 4, max_tokens 3):
 Preemption is by recompute: the most recently admitted running request
 (``running[-1]``) gives up its blocks. In a step that preempted, no waiting
 request is admitted (it would just take the blocks back).
+
+With a KV connector (``distributed/kv_transfer/``; core sees only its base class), a
+waiting request may first load blocks from elsewhere, and a finished one may keep its
+blocks while they are saved or sent (``_start_kv_loads`` and below)::
+
+    WAITING --connector has blocks past the local hit--> WAITING_FOR_REMOTE_KVS
+       ^        (blocks allocated; out of the queue)        | worker: finished_recving
+       +---- front of the queue, its blocks cached and held ("pinned") until admitted,
+             where schedule() finds them as prefix hits
+
+    finished --request_finished says delay_free--> blocks held ("kv_sending") until the
+             worker reports finished_sending: only then are they freed
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from microvllm.core.config import SchedulerConfig
 from microvllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PoolTooSmallError
 from microvllm.core.outputs import EngineCoreOutput
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from microvllm.core.scheduler_kv_connector import KVConnectorScheduling
 from microvllm.core.scheduler_invariants import check_scheduler_invariants
 from microvllm.core.spec_decode_stats import SpecDecodingStats
 from microvllm.core.stop_conditions import check_stop
 
+if TYPE_CHECKING:
+    from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorOutput
 
-class Scheduler:
+
+class Scheduler(KVConnectorScheduling):
     """Decides, each step, which requests compute how many tokens."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, *,
+                 kv_connector: KVConnectorBase | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -80,6 +98,12 @@ class Scheduler:
         self.reset_req_ids: set[str] = set()
         # Speculative decoding: drafts and accepted drafts, per position (metrics).
         self.spec_decoding_stats = SpecDecodingStats()
+        # KV connector (None: none): its scheduler side, and the blocks it keeps busy.
+        self.connector = kv_connector
+        self.waiting_for_remote_kvs: dict[str, Request] = {}  # loading; out of the waiting queue
+        self.num_loading_tokens: dict[str, int] = {}     # of each: its tokens once loaded
+        self.kv_pinned: dict[str, KVCacheBlocks] = {}    # loaded, waiting: held until admitted
+        self.kv_sending: dict[str, KVCacheBlocks] = {}   # finished, being saved/sent: delayed free
 
     # ----------------------------------------------------------- requests in
 
@@ -92,6 +116,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.requests[request.request_id] = request
+        if self.connector is not None and len(self.waiting) <= self._kv_load_window():
+            self._maybe_start_kv_load(request)
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -105,15 +131,30 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_for_remote_kvs[request_id]
             else:
                 self.waiting.remove(request)
             request.status = finished_status
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        self.finished_req_ids.add(request.request_id)
-        del self.requests[request.request_id]
+        """Free a finished request's blocks, unless its connector still saves / sends them
+        (vLLM's delayed free: they are freed when the worker reports ``finished_sending``)."""
+        kv, request_id = self.kv_cache_manager, request.request_id
+        delay_free = False
+        if self.connector is not None:
+            delay_free, request.kv_transfer_params = self.connector.request_finished(
+                request, kv.get_block_ids(request_id))
+        if delay_free:
+            self.kv_sending[request_id] = kv.detach_blocks(request_id)
+        else:
+            kv.free(request)
+        pinned = self.kv_pinned.pop(request_id, None)
+        if pinned is not None:
+            kv.free_blocks(pinned)
+        self.finished_req_ids.add(request_id)
+        del self.requests[request_id]
 
     # ----------------------------------------------------------------- plan
 
@@ -203,7 +244,13 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _raise_no_progress(self, request: Request) -> None:
-        """Nothing runs and the head request cannot start: say why instead of spinning."""
+        """Nothing runs and the head request cannot start: say why instead of spinning.
+
+        With a KV connector the pool may be short only for now: blocks come back when this
+        step's loads and sends finish, or when held loaded blocks are let go (their
+        requests then compute those tokens instead)."""
+        if self.waiting_for_remote_kvs or self.kv_sending or self._release_kv_pins():
+            return
         kv = self.kv_cache_manager
         num_hit_tokens = kv.get_computed_blocks(request)[1]
         num_new_tokens = self._cap_new_tokens(request, num_hit_tokens, self.max_num_batched_tokens)
@@ -270,6 +317,8 @@ class Scheduler:
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
         self.finished_req_ids = set()
         self.reset_req_ids = set()
+        if self.connector is not None:
+            output = self._add_kv_connector_metadata(output, scheduled_new)
         return output
 
     def undo_failed_step(self, scheduler_output: SchedulerOutput) -> None:
@@ -304,12 +353,14 @@ class Scheduler:
         kv.forget_cached_blocks(maybe_unwritten)
         self.finished_req_ids |= scheduler_output.finished_req_ids
         self.reset_req_ids |= scheduler_output.preempted_req_ids | starts.keys()
+        self._undo_kv_transfers()
 
     # ---------------------------------------------------------- results in
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: dict[str, list[int]],
-                           spec_token_ids: dict[str, list[int]] | None = None) -> list[EngineCoreOutput]:
+                           spec_token_ids: dict[str, list[int]] | None = None,
+                           kv_connector_output: KVConnectorOutput | None = None) -> list[EngineCoreOutput]:
         """Append the runner's sampled tokens and stop finished requests.
 
         A request whose prefill is still partial (num_computed_tokens <
@@ -327,6 +378,7 @@ class Scheduler:
             num_computed_tokens  13 - 1 = 12     o2 d0 d1 computed; x is next step's input
 
         ``spec_token_ids``: the drafter's new guesses, checked at the next step.
+        ``kv_connector_output``: the KV connector's finished loads and sends (its worker side).
         """
         outputs: list[EngineCoreOutput] = []
         stopped: dict[str, None] = {}  # in batch order (a set's order would vary with PYTHONHASHSEED)
@@ -368,12 +420,16 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.spec_token_ids = list(new_drafts)
+        if self.connector is not None:
+            self._update_from_kv_xfer_finished(kv_connector_output)
+            self._start_kv_loads()
         return outputs
 
     # -------------------------------------------------------------- queries
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or blocks still being sent (a step must run to finish the send)."""
+        return bool(self.requests) or bool(self.kv_sending)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -386,6 +442,7 @@ class Scheduler:
         if reset_running_requests:
             while self.running:  # newest first, so the oldest ends up at the queue's front
                 self._preempt(self.running.pop())
+        self._release_kv_pins()
         return self.kv_cache_manager.reset_prefix_cache()
 
     def check_invariants(self) -> None:

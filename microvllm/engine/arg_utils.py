@@ -39,6 +39,7 @@ from microvllm.config import (
     DeviceConfig,
     EngineConfig,
     KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -75,7 +76,7 @@ VLLM_ONLY_ENGINE_OPTIONS = (
     "num_lookahead_slots", "logprobs_mode", "limit_mm_per_prompt", "mm_processor_kwargs",
     "mm_processor_cache_gb", "disable_mm_preprocessor_cache", "interleave_mm_strings", "media_io_kwargs",
     "task", "runner", "convert", "served_model_name", "override_generation_config",
-    "structured_outputs_config", "guided_decoding_backend", "reasoning_parser", "kv_transfer_config",
+    "structured_outputs_config", "guided_decoding_backend", "reasoning_parser",
     "worker_cls", "worker_extension_cls", "logits_processors",
     "logits_processor_pattern", "scheduling_policy", "scheduler_cls", "async_scheduling",
     "enable_expert_parallel", "enable_eplb", "enable_dbo", "disable_custom_all_reduce", "rope_scaling",
@@ -186,6 +187,9 @@ class EngineArgs:
     kv_events_config: dict | None = field(default=None, metadata=_cli(
         'KV cache events for a router, as a JSON dict (vLLM\'s KVEventsConfig): e.g. \'{"enable_kv_cache_events": '
         'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'', parse=json.loads))
+    kv_transfer_config: dict | None = field(default=None, metadata=_cli(
+        'the KV connector, as a JSON dict (vLLM\'s KVTransferConfig): e.g. \'{"kv_connector": '
+        '"OffloadingConnector", "kv_role": "kv_both"}\' (a second KV tier)', parse=json.loads))
     trace: bool = field(default=False, metadata=_cli("record every engine step (llm.trace)", cli=False))
     debug_invariants: bool = field(default=False, metadata=_cli(
         "check the block pool and scheduler after every step (slow)", cli=False))
@@ -275,7 +279,9 @@ class EngineArgs:
                 f.name: getattr(self, f.name) for f in dataclasses.fields(StructuredOutputsConfig)}),
             speculative_config=self._speculative_config(hf_config),
             profiler_config=self.profiler_config,
-            kv_events_config=None if self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config))
+            kv_events_config=None if self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config),
+            kv_transfer_config=(None if self.kv_transfer_config is None
+                                else KVTransferConfig.from_dict(self.kv_transfer_config)))
 
     def _hybrid_block_size(self, hf_config, quantization) -> int:
         """``block_size``, raised for a hybrid model until a page holds a state (logged, as

@@ -43,6 +43,8 @@ from microvllm.core.kv_cache_manager import KVCacheManager, PoolTooSmallError
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.scheduler import Scheduler
 from microvllm.detokenizer import IncrementalDetokenizer
+from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorRole
+from microvllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.engine.output_processor import OutputProcessor
 from microvllm.engine.outputs import RequestOutput
@@ -109,8 +111,12 @@ class Engine:
             num_lookahead_tokens=config.speculative_config.num_lookahead_tokens if config.speculative_config else 0,
             max_model_len=config.scheduler_config.max_model_len,
             **({"enable_kv_cache_events": True} if kv_events else {}))   # off: an exercise's pool needs no events
-        self.scheduler = component(components, "scheduler", Scheduler)(config.scheduler_config,
-                                                                         self.kv_cache_manager)
+        # A KV connector's scheduler side (kv_transfer_config); its worker side is in each worker.
+        kv_connector = None if config.kv_transfer_config is None else KVConnectorFactory.create_connector(
+            config, KVConnectorRole.SCHEDULER, self.num_kv_blocks, specs)
+        self.scheduler = component(components, "scheduler", Scheduler)(
+            config.scheduler_config, self.kv_cache_manager,
+            **({"kv_connector": kv_connector} if kv_connector is not None else {}))
         self.structured_output_manager = StructuredOutputManager(
             self.prompts.tokenizer, model_config.hf_config.vocab_size,
             config.structured_outputs_config.structured_outputs_backend,
@@ -310,8 +316,10 @@ class Engine:
                     or isinstance(error, FATAL_ERRORS)):
                 raise
             return self._isolate_fault(plan, error)
-        core_outputs = self.scheduler.update_from_output(plan, runner_output.sampled_token_ids,
-                                                         runner_output.spec_token_ids)
+        core_outputs = self.scheduler.update_from_output(
+            plan, runner_output.sampled_token_ids, runner_output.spec_token_ids,
+            **({"kv_connector_output": runner_output.kv_connector_output}
+               if runner_output.kv_connector_output is not None else {}))
         if self.fault_isolation is not None:
             self.fault_isolation.passed(core.request_id for core in core_outputs)
         core_outputs, failed = self._advance_grammars(core_outputs, plan)
@@ -451,8 +459,7 @@ class Engine:
     def check_invariants(self) -> None:
         """Block pool accounting + scheduler bookkeeping + output bookkeeping."""
         self.scheduler.check_invariants()
-        unfinished = {r.request_id for r in self.scheduler.running} | \
-                     {r.request_id for r in self.scheduler.waiting}
+        unfinished = set(self.scheduler.requests)   # waiting, running, loading (checked above)
         self.output_processor.check_invariants(unfinished)
 
     @property

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from microvllm.attention.metadata import AttentionMetadata
+from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
 from microvllm.sample.logprobs import LogprobsLists, compute_logprobs, gather_logprobs, prompt_logprobs_of_chunk
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
@@ -56,6 +57,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)   # this chunk's rows
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)        # drafts for next step
     expert_load: dict[str, list[int]] = field(default_factory=dict)  # MoE layer -> pairs per expert (Worker)
+    # KV connector (Worker): requests whose blocks finished being saved / loaded this step.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass

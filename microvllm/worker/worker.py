@@ -37,7 +37,10 @@ from microvllm.sample.rejection_sampler import RejectionSampler
 from microvllm.sample.sampler import Sampler
 from microvllm.spec_decode.draft_model import DraftModelProposer, LayerSkipDraft
 from microvllm.spec_decode.ngram_proposer import NgramProposer
+from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorRole
+from microvllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from microvllm.worker.block_table import BlockTable
+from microvllm.worker.kv_connector_model_runner_mixin import kv_connector_step
 from microvllm.worker.model_runner import ModelRunner
 from microvllm.worker.profile_run import profile_run
 
@@ -58,6 +61,7 @@ class Worker:
         platform.process_weights_after_loading(self.model)
         self.kv_caches: list[torch.Tensor] = []
         self.model_runner: ModelRunner | None = None
+        self.kv_connector: KVConnectorBase | None = None   # its worker side (kv_transfer_config)
 
     def kv_cache_bytes_per_block(self) -> int:
         num_kv_heads, head_dim = self.model.attention_dims()
@@ -100,6 +104,10 @@ class Worker:
             rejection_sampler_class=component(components, "rejection_sampler", RejectionSampler),
             disable_by_batch_size=getattr(self.config.speculative_config, "disable_by_batch_size", None))
         self.platform.process_weights_after_loading(self.model_runner.sampler)
+        if self.config.kv_transfer_config is not None:
+            self.kv_connector = KVConnectorFactory.create_connector(
+                self.config, KVConnectorRole.WORKER, num_blocks, self.model.layout.kv_cache_specs(block_size))
+            self.kv_connector.register_kv_caches(self.kv_caches)
         self.moe_layers = moe_layers(self.model)   # {} for a dense model
         take_expert_load(self.moe_layers)          # forget what the profile run routed
 
@@ -130,7 +138,12 @@ class Worker:
                                   shares_target_kv=False)
 
     def execute_model(self, scheduler_output):
-        output = self.model_runner.execute_model(scheduler_output)
+        if self.kv_connector is None:
+            output = self.model_runner.execute_model(scheduler_output)
+        else:   # the connector's worker side around the forward (its loads before, saves after)
+            with kv_connector_step(self.kv_connector, scheduler_output, self.kv_caches) as kv_output:
+                output = self.model_runner.execute_model(scheduler_output)
+            output.kv_connector_output = kv_output
         # Mixture-of-experts layers count what their routers chose: this step's counts
         # travel with its output (the step trace, LLM.get_metrics()).
         output.expert_load = take_expert_load(self.moe_layers)

@@ -1,0 +1,160 @@
+"""The scheduler's half of the KV connector seam (vLLM: the connector calls inside
+``vllm/v1/core/sched/scheduler.py``), kept beside ``Scheduler.schedule()``, which is a
+course exercise and knows nothing of connectors.
+
+A request's blocks, as the connector moves them (B = 4, a prompt of 14 tokens)::
+
+    block hashes        h0   h1   h2   h3 | last 2 tokens
+    local prefix hit    h0                 get_computed_blocks: 4 tokens
+    connector has            h1   h2       get_num_new_matched_tokens: 8 more
+    allocate_slots      [b7] [b2] [b9]     b7 touched (a hit); b2, b9 new, NOT cached yet
+                                           (delay_cache_blocks: their KV is not there yet)
+    status              WAITING_FOR_REMOTE_KVS, out of the waiting queue
+    next step's plan    kv_connector_metadata: load h1 -> b2, h2 -> b9
+    worker              start_load_kv copies them in before the forward; finished_recving
+    update_from_output  cache b2, b9 (now real prefix-cache entries); the request goes back
+                        to the front of the queue, its blocks held ("pinned") for it
+    a later schedule()  get_computed_blocks finds b7 b2 b9: 12 hit tokens; the pin is let go
+
+Delayed free: a request that finishes while the connector saves or sends its blocks
+(``request_finished`` answers delay_free=True) gives its block table to ``kv_sending``;
+the blocks are freed only when the worker lists the request in ``finished_sending``, once
+(a second report frees nothing: the double free of a naive delayed free).
+
+Who holds a block (the invariant checks count every holder):
+running and loading requests (their block tables in the KV cache manager), ``kv_pinned``
+(loaded, waiting to be admitted) and ``kv_sending`` (finished, being sent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from typing import TYPE_CHECKING
+
+from microvllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from microvllm.core.request import Request, RequestStatus
+from microvllm.core.sched_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorOutput
+
+
+class KVConnectorScheduling:
+    """Mixed into ``Scheduler``: every call to the connector's scheduler side. Each method
+    is a no-op path unless ``self.connector`` is set (the scheduler checks first)."""
+
+    # Set by Scheduler.__init__.
+    connector: KVConnectorBase | None
+    kv_cache_manager: KVCacheManager
+    max_num_seqs: int
+    waiting: deque[Request]
+    running: list[Request]
+    waiting_for_remote_kvs: dict[str, Request]
+    num_loading_tokens: dict[str, int]
+    kv_pinned: dict[str, KVCacheBlocks]
+    kv_sending: dict[str, KVCacheBlocks]
+
+    def _kv_load_window(self) -> int:
+        """How many waiting requests (from the front) could be admitted next step: only
+        they may start a load, so that loads never hold blocks far ahead of their use."""
+        return self.max_num_seqs - len(self.running) - len(self.waiting_for_remote_kvs)
+
+    def _start_kv_loads(self) -> None:
+        """Ask the connector about the waiting requests that could be admitted next
+        (called after each step and when a request arrives). O(window * blocks)."""
+        for request in list(itertools.islice(self.waiting, max(self._kv_load_window(), 0))):
+            if request.request_id not in self.kv_pinned:
+                self._maybe_start_kv_load(request)
+
+    def _maybe_start_kv_load(self, request: Request) -> bool:
+        """vLLM's order: the local prefix hit, then ``get_num_new_matched_tokens`` for the
+        tokens past it, ``allocate_slots`` for them (not cached until loaded), then
+        ``update_state_after_alloc``. True if a load started."""
+        assert self.connector is not None
+        kv = self.kv_cache_manager
+        if not kv.enable_caching:
+            return False   # loaded blocks reach the request as prefix-cache hits
+        hit_blocks, num_local = kv.get_computed_blocks(request)
+        num_external, _load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        if num_external <= 0:
+            return False
+        if num_local + num_external >= request.num_tokens or num_external % kv.block_size:
+            raise ValueError(
+                f"the KV connector offered {num_external} tokens past {num_local} for request "
+                f"{request.request_id!r} ({request.num_tokens} tokens): it must offer whole blocks and "
+                "leave the last token to be computed")
+        if kv.allocate_slots(request, num_external, num_local, hit_blocks, delay_cache_blocks=True) is None:
+            return False   # no room now: the request computes those tokens instead
+        self.connector.update_state_after_alloc(request, kv.get_blocks(request.request_id), num_external)
+        self.waiting.remove(request)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[request.request_id] = request
+        self.num_loading_tokens[request.request_id] = num_local + num_external
+        return True
+
+    def _update_from_kv_xfer_finished(self, output: KVConnectorOutput | None) -> None:
+        """The worker's report: free the blocks of finished sends (once), and send each
+        loaded request back to the front of the queue with its blocks cached and pinned."""
+        assert self.connector is not None
+        if output is None:
+            return
+        self.connector.update_connector_output(output)
+        kv = self.kv_cache_manager
+        for request_id in sorted(output.finished_sending or ()):
+            blocks = self.kv_sending.pop(request_id, None)
+            if blocks is not None:   # reported again (or never delayed): nothing to free
+                kv.free_blocks(blocks)
+        recved = output.finished_recving or set()
+        loaded = [r for r in self.waiting_for_remote_kvs.values() if r.request_id in recved]
+        for request in reversed(loaded):   # the first loaded ends up at the front
+            request_id = request.request_id
+            del self.waiting_for_remote_kvs[request_id]
+            num_loaded = self.num_loading_tokens.pop(request_id)
+            kv.cache_blocks(request, num_loaded)
+            blocks = kv.detach_blocks(request_id)
+            num_full = num_loaded // kv.block_size   # any block past them (lookahead) goes now
+            kv.free_blocks(KVCacheBlocks(tuple(group[num_full:] for group in blocks.blocks)))
+            self.kv_pinned[request_id] = KVCacheBlocks(tuple(group[:num_full] for group in blocks.blocks))
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+
+    def _add_kv_connector_metadata(self, output: SchedulerOutput, scheduled_new: list[Request]) -> SchedulerOutput:
+        """End of ``schedule()``: admitted requests hold their loaded blocks as prefix hits
+        now, so their pins go; the connector's orders for this step join the plan."""
+        assert self.connector is not None
+        for request in scheduled_new:
+            pinned = self.kv_pinned.pop(request.request_id, None)
+            if pinned is not None:
+                self.kv_cache_manager.free_blocks(pinned)
+        return dataclasses.replace(output, kv_connector_metadata=self.connector.build_connector_meta(output))
+
+    def _release_kv_pins(self) -> bool:
+        """Let go of every pinned loaded block (newest first); True if there was any. Used
+        when nothing else can make progress: those requests compute the tokens instead."""
+        if not self.kv_pinned:
+            return False
+        for request_id in reversed(list(self.kv_pinned)):
+            self.kv_cache_manager.free_blocks(self.kv_pinned.pop(request_id))
+        return True
+
+    def _undo_kv_transfers(self) -> None:
+        """A step failed: its loads and sends may be half done. Loading requests go back to
+        the queue without their (never cached) blocks, and sends are given up: their blocks
+        are freed. The connector forgets what it handed over and was not reported."""
+        kv = self.kv_cache_manager
+        for request_id in list(self.kv_sending):
+            kv.free_blocks(self.kv_sending.pop(request_id))
+        for request in reversed(list(self.waiting_for_remote_kvs.values())):
+            kv.free(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        self.waiting_for_remote_kvs.clear()
+        self.num_loading_tokens.clear()
+
+    def kv_blocks_held_outside(self) -> list[list]:
+        """Block lists held by the scheduler itself (pins and delayed frees), one per group
+        and holder, for the KV cache invariant checks."""
+        return [group for blocks in (*self.kv_pinned.values(), *self.kv_sending.values())
+                for group in blocks.blocks]
