@@ -60,6 +60,6 @@ class EngineConfig:
 VllmConfig = EngineConfig  # vLLM's name
 
 __all__ = ["CacheConfig", "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_KV_CACHE_BYTES", "DEVICES", "DTYPES",
-           "DeviceConfig", "EngineConfig", "KVEventsConfig", "KVTransferConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
-           "SpeculativeConfig", "StructuredOutputsConfig", "VllmConfig",
+           "DeviceConfig", "EngineConfig", "KVEventsConfig", "KVTransferConfig", "ModelConfig", "ParallelConfig",
+           "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig", "VllmConfig",
            "resolve_dtype"]

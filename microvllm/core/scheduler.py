@@ -62,8 +62,8 @@ from microvllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PoolT
 from microvllm.core.outputs import EngineCoreOutput
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from microvllm.core.scheduler_kv_connector import KVConnectorScheduling
 from microvllm.core.scheduler_invariants import check_scheduler_invariants
+from microvllm.core.scheduler_kv_connector import KVConnectorScheduling
 from microvllm.core.spec_decode_stats import SpecDecodingStats
 from microvllm.core.stop_conditions import check_stop
 

@@ -29,6 +29,8 @@ import torch
 from microvllm.attention.selector import get_attention_backend
 from microvllm.config import EngineConfig
 from microvllm.config.components import component
+from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorRole
+from microvllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from microvllm.distributed.parallel_state import CommunicationStats, get_tp_group
 from microvllm.layers.fused_moe.layer import moe_layers, take_expert_load
 from microvllm.models.loader import load_model
@@ -37,8 +39,6 @@ from microvllm.sample.rejection_sampler import RejectionSampler
 from microvllm.sample.sampler import Sampler
 from microvllm.spec_decode.draft_model import DraftModelProposer, LayerSkipDraft
 from microvllm.spec_decode.ngram_proposer import NgramProposer
-from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorRole
-from microvllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from microvllm.worker.block_table import BlockTable
 from microvllm.worker.kv_connector_model_runner_mixin import kv_connector_step
 from microvllm.worker.model_runner import ModelRunner

@@ -1,10 +1,11 @@
 """``KVConnectorFactory``: a connector class by its name (vLLM:
-``kv_connector/factory.py``). Modules are imported only when their connector is asked
-for, so core and the engine never import a concrete connector."""
+``kv_connector/factory.py``). Each connector's module is imported only when it is asked
+for (a plain ``import`` inside its loader, as ``attention/selector.py`` loads backends),
+so core and the engine never import a concrete connector."""
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorRole
@@ -15,21 +16,21 @@ if TYPE_CHECKING:
 
 
 class KVConnectorFactory:
-    _registry: dict[str, tuple[str, str]] = {}
+    _registry: dict[str, Callable[[], type[KVConnectorBase]]] = {}
 
     @classmethod
-    def register_connector(cls, name: str, module_path: str, class_name: str) -> None:
+    def register_connector(cls, name: str, loader: Callable[[], type[KVConnectorBase]]) -> None:
+        """``loader()`` imports the connector's module and returns its class."""
         if name in cls._registry:
             raise ValueError(f"KV connector {name!r} is already registered")
-        cls._registry[name] = (module_path, class_name)
+        cls._registry[name] = loader
 
     @classmethod
     def get_connector_class(cls, name: str) -> type[KVConnectorBase]:
         if name not in cls._registry:
             raise ValueError(f"kv_transfer_config kv_connector={name!r} is not a connector: choose one of "
                              f"{sorted(cls._registry)}")
-        module_path, class_name = cls._registry[name]
-        return getattr(importlib.import_module(module_path), class_name)
+        return cls._registry[name]()
 
     @classmethod
     def create_connector(cls, config: EngineConfig, role: KVConnectorRole, num_kv_blocks: int,
@@ -42,6 +43,9 @@ class KVConnectorFactory:
         return cls.get_connector_class(transfer.kv_connector)(config, role, num_kv_blocks, kv_cache_specs)
 
 
-KVConnectorFactory.register_connector(
-    "OffloadingConnector", "microvllm.distributed.kv_transfer.kv_connector.offloading_connector",
-    "OffloadingConnector")
+def _offloading_connector() -> type[KVConnectorBase]:
+    from microvllm.distributed.kv_transfer.kv_connector.offloading_connector import OffloadingConnector
+    return OffloadingConnector
+
+
+KVConnectorFactory.register_connector("OffloadingConnector", _offloading_connector)

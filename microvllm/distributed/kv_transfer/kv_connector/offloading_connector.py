@@ -31,7 +31,7 @@ What a second tier buys:
   out), where KV outlives what RAM is given to the engine.
 
 Options (``kv_connector_extra_config``): ``num_cpu_blocks`` (the store's slots; default
-the pool's number of blocks, doubling what is kept), ``dtype`` (default the cache's:
+twice the pool's blocks: that much more memory), ``dtype`` (default the cache's:
 exact), ``path`` (a file to memory-map; default in RAM). ``kv_role``: kv_both saves and
 loads; kv_producer only saves; kv_consumer only loads.
 
@@ -75,9 +75,12 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
 
 
 def num_store_blocks(config: EngineConfig, num_kv_blocks: int) -> int:
-    """The store's slots: ``num_cpu_blocks``, else as many as the pool has (both sides agree)."""
+    """The store's slots: ``num_cpu_blocks``, else twice the pool's blocks (both sides agree).
+    The store copies what the pool holds (blocks are saved while still in the pool), so it
+    adds capacity only beyond the pool's size: one the pool's size would mostly hold the
+    same blocks."""
     assert config.kv_transfer_config is not None
-    value = config.kv_transfer_config.get_from_extra_config("num_cpu_blocks", num_kv_blocks)
+    value = config.kv_transfer_config.get_from_extra_config("num_cpu_blocks", 2 * num_kv_blocks)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"kv_connector_extra_config num_cpu_blocks={value!r} must be an int of at least 1")
     return value

@@ -1,0 +1,93 @@
+"""The KV connector seam through the real engine, with the tiny model: the
+``OffloadingConnector`` second tier turns prefixes the pool could not keep into prefix
+hits, and greedy tokens stay exactly those of the engine without it."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from microvllm import LLM, SamplingParams
+from microvllm.config.kv_transfer import KVTransferConfig
+from microvllm.engine.arg_utils import EngineArgs
+from microvllm.models.tiny import make_tiny_model
+
+TIER = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("kv_connector") / "llama", "llama", seed=3)
+
+
+def shared_prefix_prompts(num_prompts: int, num_prefixes: int = 4, prefix_len: int = 48) -> list[dict]:
+    """Prompts that return, round robin, to a few long shared prefixes (system prompts)."""
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(3, 200) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    return [{"prompt_token_ids": prefixes[i % num_prefixes] + [rng.randrange(3, 200) for _ in range(5)]}
+            for i in range(num_prompts)]
+
+
+def run_one_at_a_time(model, prompts, kv_transfer_config=None, **kwargs):
+    """Each prompt arrives after the previous one finished; returns (tokens, hit tokens, engine)."""
+    llm = LLM(str(model), block_size=8, num_kv_blocks=20, max_num_seqs=2, kv_transfer_config=kv_transfer_config,
+              debug_invariants=True, **kwargs)
+    tokens = [out.outputs[0].token_ids for p in prompts for out in llm.generate([p], GREEDY, use_tqdm=False)]
+    engine = llm.llm_engine
+    return tokens, engine.prefix_cache_hits, engine
+
+
+def test_the_tier_turns_prefixes_the_pool_cannot_keep_into_hits_with_identical_tokens(model):
+    """Four 48-token prefixes (24 blocks of 8) and a pool of 19 usable blocks: by the time
+    a prefix comes back, LRU has evicted it. The tier, with its defaults (twice the pool's
+    blocks), keeps it and loads it back. (A tier smaller than the cycle would thrash just
+    as the pool does: LRU over a loop.)"""
+    prompts = shared_prefix_prompts(12)
+    tokens, hits, _ = run_one_at_a_time(model, prompts)
+    tier_tokens, tier_hits, engine = run_one_at_a_time(model, prompts, TIER)
+    assert tier_tokens == tokens
+    assert hits == 0
+    assert tier_hits == 8 * 48                    # every prompt after the first round: its whole prefix
+    connector = engine.scheduler.connector
+    assert connector.num_blocks_loaded == 8 * 6 and connector.num_blocks_saved > 0
+    assert not engine.scheduler.kv_sending and not engine.scheduler.kv_pinned
+
+
+def test_many_requests_at_once_with_a_small_mmapped_tier_keep_their_tokens(model, tmp_path):
+    """All prompts in one batch (loads, pins and delayed frees interleave with running
+    requests), the store a memory-mapped file."""
+    prompts = shared_prefix_prompts(10, num_prefixes=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    config = {**TIER, "kv_connector_extra_config": {"num_cpu_blocks": 40, "path": str(tmp_path / "tier.bin")}}
+    outputs = {}
+    for name, transfer in (("plain", None), ("tier", config)):
+        llm = LLM(str(model), block_size=8, num_kv_blocks=22, max_num_seqs=3, max_num_batched_tokens=64,
+                  kv_transfer_config=transfer, debug_invariants=True)
+        llm.generate(prompts[:3], params, use_tqdm=False)           # fills the tier
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["tier"] == outputs["plain"]
+    assert llm.llm_engine.scheduler.connector.num_blocks_loaded > 0
+
+
+def test_kv_transfer_config_is_checked_and_says_what_to_change(model):
+    with pytest.raises(ValueError, match="kv_role=None: set it to one of"):
+        KVTransferConfig.from_dict({"kv_connector": "OffloadingConnector"})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['kv_conector'\]"):
+        KVTransferConfig.from_dict({"kv_conector": "OffloadingConnector", "kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        KVTransferConfig.from_dict("{kv_connector: 1}")
+    config = KVTransferConfig.from_dict('{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}')
+    assert config.is_kv_producer and config.is_kv_consumer and config.engine_id
+    with pytest.raises(ValueError, match="'NoSuchConnector' is not a connector: choose one of .*OffloadingConnector"):
+        LLM(str(model), num_kv_blocks=8, kv_transfer_config={"kv_connector": "NoSuchConnector", "kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="set enable_prefix_caching=True"):
+        LLM(str(model), num_kv_blocks=8, enable_prefix_caching=False, kv_transfer_config=TIER)
+
+
+def test_the_cli_flag_parses_json():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}'])
+    assert EngineArgs.from_cli_args(args).kv_transfer_config == TIER
