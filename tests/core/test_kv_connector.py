@@ -13,8 +13,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from microvllm.checks.scheduler import expected_output, generated
 from microvllm.config.kv_transfer import KVTransferConfig

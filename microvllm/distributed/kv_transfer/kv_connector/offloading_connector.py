@@ -251,7 +251,9 @@ class OffloadingConnector(KVConnectorBase):
         return metadata if isinstance(metadata, OffloadingConnectorMetadata) else OffloadingConnectorMetadata()
 
     def start_load_kv(self, **kwargs: Any) -> None:
-        """Copy this step's loads, store -> cache, every layer, before the forward."""
+        """Copy this step's loads, store -> cache, every layer, before the forward. What a
+        failed step left in the finished sets is dropped: its scheduler side forgot it."""
+        self._finished_sending, self._finished_recving = set(), set()
         for request_id, (block_ids, slots) in self._metadata().reqs_to_load.items():
             for kv_cache, store in zip(self.kv_caches, self.store):
                 ids = torch.tensor(block_ids, device=kv_cache.device)
