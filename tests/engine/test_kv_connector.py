@@ -91,3 +91,14 @@ def test_the_cli_flag_parses_json():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}'])
     assert EngineArgs.from_cli_args(args).kv_transfer_config == TIER
+
+
+@pytest.mark.multiprocess
+def test_the_tier_with_two_tensor_parallel_ranks_keeps_tokens_and_hits(model):
+    """Each rank's worker keeps its own KV heads in its own store; rank 0 reports."""
+    prompts = shared_prefix_prompts(8)
+    tokens, hits, engine = run_one_at_a_time(model, prompts, tensor_parallel_size=2)
+    engine.shutdown()
+    tier_tokens, tier_hits, engine = run_one_at_a_time(model, prompts, TIER, tensor_parallel_size=2)
+    engine.shutdown()
+    assert tier_tokens == tokens and hits == 0 and tier_hits == 4 * 48
