@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from microvllm.core.kv_cache_invariants import InvariantError
+from microvllm.core.kv_cache_utils import cdiv
 from microvllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:

@@ -6,8 +6,7 @@ rules) the fake runner's shadow checks that every step resumes exactly the state
 request left (or the snapshot of exactly its prefix), never another's."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from microvllm.checks.scheduler import run_workload, workloads
 from microvllm.core import FullAttentionSpec, KVCacheManager, MambaSpec
@@ -123,8 +122,8 @@ def test_random_arrivals_and_aborts_on_a_hybrid_keep_the_pool_and_every_state_ri
     max_model_len = 32
     num_blocks = 2 * -(-(max_model_len + 1) // block_size) + 2 + data.draw(st.integers(0, 8), "extra blocks")
     s, runner = make_scheduler(groups, num_blocks=num_blocks, block_size=block_size,
-                               max_num_batched_tokens=data.draw(st.integers(2, 24), "budget"), max_model_len=max_model_len,
-                               max_num_seqs=data.draw(st.integers(1, 4), "max_num_seqs"))
+                               max_num_batched_tokens=data.draw(st.integers(2, 24), "budget"),
+                               max_model_len=max_model_len, max_num_seqs=data.draw(st.integers(1, 4), "max_num_seqs"))
     prefixes = [[3] * 12, list(range(12)), [7, 8] * 6]
     next_id = 0
     for _ in range(data.draw(st.integers(1, 30), "steps")):
