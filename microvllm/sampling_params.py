@@ -130,6 +130,8 @@ class SamplingParams:
         schema, a regex, a grammar or one of several choices (constrained decoding).
     output_kind: what ``AsyncLLM.generate`` yields each step: CUMULATIVE (all the text
         so far) or DELTA (only the new tokens and text); FINAL_ONLY (the end only).
+    extra_args: a dict for plugins (vLLM's): a KV connector reads ``kv_transfer_params``
+        there (disaggregated prefill, ``distributed/kv_transfer/``).
     """
 
     FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
@@ -137,7 +139,7 @@ class SamplingParams:
               "skip_special_tokens", "include_stop_str_in_output",
               "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
               "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "output_kind",
-              "structured_outputs")
+              "structured_outputs", "extra_args")
     # bad_words_token_ids: the engine tokenizes bad_words at the door (it has the tokenizer).
     __slots__ = (*FIELDS, "bad_words_token_ids")
 
@@ -152,7 +154,8 @@ class SamplingParams:
                  logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
                  bad_words: list[str] | None = None, truncate_prompt_tokens: int | None = None,
                  output_kind: "RequestOutputKind | int" = 0,
-                 structured_outputs: StructuredOutputsParams | None = None, **unknown_kwargs):
+                 structured_outputs: StructuredOutputsParams | None = None,
+                 extra_args: dict | None = None, **unknown_kwargs):
         if unknown_kwargs:
             raise TypeError(_unknown_kwargs_message(unknown_kwargs))
         self.n = n
@@ -173,6 +176,8 @@ class SamplingParams:
         self.frequency_penalty = frequency_penalty
         self.repetition_penalty = repetition_penalty
         self.prompt_logprobs = prompt_logprobs
+        # vLLM's extra_args: what a plugin reads (a KV connector: "kv_transfer_params").
+        self.extra_args = extra_args
         self.logit_bias = _as_bias(logit_bias)
         self.allowed_token_ids = None if allowed_token_ids is None else _as_list(
             "allowed_token_ids", allowed_token_ids, int)

@@ -19,6 +19,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None   # a KV connector's, once finished (disaggregated prefill)
 
     @property
     def finished(self) -> bool:

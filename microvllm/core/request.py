@@ -105,7 +105,8 @@ class Request:
         # target at the next step (they are not tokens of the request until accepted).
         self.spec_token_ids: list[int] = []
         # KV connectors (disaggregated serving): what the client sent, and what goes back.
-        self.kv_transfer_params: dict | None = None
+        extra_args = getattr(sampling_params, "extra_args", None) or {}
+        self.kv_transfer_params: dict | None = extra_args.get("kv_transfer_params")
 
         # Hashes of the full blocks of all_token_ids, grown as tokens arrive.
         self.block_hashes: list[BlockHash] = []

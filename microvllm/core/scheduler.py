@@ -414,8 +414,11 @@ class Scheduler(KVConnectorScheduling):
                                             request.stop_reason, max(request.num_cached_tokens, 0)))
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
-            for request_id in stopped:
-                self._free_request(self.requests[request_id])
+            finished = {request_id: self.requests[request_id] for request_id in stopped}
+            for request in finished.values():
+                self._free_request(request)
+            if self.connector is not None:   # what request_finished gave back goes to the client
+                outputs = self._with_kv_transfer_params(outputs, finished)
         for request_id, new_drafts in (spec_token_ids or {}).items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:

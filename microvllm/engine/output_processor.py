@@ -42,6 +42,7 @@ class ParentState:
     children: list[ChildState] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict | None = None
 
     def finished(self) -> bool:
         return all(c.completion.finish_reason is not None for c in self.children)
@@ -50,7 +51,8 @@ class ParentState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.completion for c in self.children], finished=self.finished(),
                              num_cached_tokens=self.num_cached_tokens,
-                             prompt_logprobs=self.prompt_logprobs)
+                             prompt_logprobs=self.prompt_logprobs,
+                             kv_transfer_params=self.kv_transfer_params)
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -126,6 +128,8 @@ class OutputProcessor:
             new_ids = list(core.new_token_ids)
             completion.token_ids.extend(new_ids)
             completion.delta_token_ids = new_ids
+            if getattr(core, "kv_transfer_params", None) is not None:
+                parent.kv_transfer_params = core.kv_transfer_params
             if core.num_cached_tokens and not parent.num_cached_tokens:
                 parent.num_cached_tokens = core.num_cached_tokens
             if completion.logprobs is not None and core.request_id in logprobs:

@@ -60,6 +60,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None             # why it failed, when finish_reason is "error"
     bad_request: bool = False            # ... and the request itself is at fault (its grammar): a 400
+    kv_transfer_params: dict | None = None   # a KV connector's, when finished (disaggregated prefill)
 
     def __repr__(self) -> str:
         texts = [o.text[:40] for o in self.outputs]

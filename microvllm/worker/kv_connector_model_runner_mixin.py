@@ -8,6 +8,7 @@
     save_kv_layer(layer, kv)    x layers   (vLLM: inside each layer's attention)
     wait_for_save()                        blocks leave the KV cache
     get_finished(plan.finished_req_ids) -> KVConnectorOutput(finished_sending, finished_recving)
+    get_failed_recving()                   -> KVConnectorOutput.failed_recving (compute instead)
     clear_connector_metadata()
 
 A step with no tokens to compute (only loads or saves) still runs all of it.
@@ -41,5 +42,6 @@ def kv_connector_step(connector: KVConnectorBase, scheduler_output, kv_caches: l
             connector.save_kv_layer(layer_name(index), kv_cache)
         connector.wait_for_save()
         output.finished_sending, output.finished_recving = connector.get_finished(scheduler_output.finished_req_ids)
+        output.failed_recving = connector.get_failed_recving()
     finally:
         connector.clear_connector_metadata()

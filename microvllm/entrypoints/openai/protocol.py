@@ -84,6 +84,10 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Disaggregated prefill (vLLM's NIXL protocol, what vllm-router sends): do_remote_decode
+    # asks a prefill instance to keep the KV; do_remote_prefill tells a decode instance
+    # where to read it (distributed/kv_transfer/kv_connector/p2p_connector.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def check_supported(self) -> list[str]:
         """Raise ``ValueError`` for a field of a feature microvllm lacks (naming it);
@@ -135,7 +139,9 @@ class _SamplingFields(BaseModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=self.structured_outputs_params(),
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            extra_args=({"kv_transfer_params": self.kv_transfer_params}
+                        if self.kv_transfer_params is not None else None))
         return SamplingParams(**values)
 
 

@@ -171,9 +171,12 @@ class OpenAIServing:
                                 "finish_reason": "length" if scoring_only else c.finish_reason,
                                 "stop_reason": None if scoring_only else c.stop_reason,
                                 "prompt_logprobs": _prompt_logprobs(out) if request.prompt_logprobs else None})
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens)}
+        response = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                    "model": self.model_name, "choices": choices,
+                    "usage": _usage(prompt_tokens, completion_tokens)}
+        if finals[min(finals)].kv_transfer_params is not None:   # a prefill instance: where its KV waits
+            response["kv_transfer_params"] = finals[min(finals)].kv_transfer_params
+        return response
 
     def _completion_events(self, request, request_id, first, results, n) -> AsyncIterator[str]:
         created, prompt_tokens, completion_tokens = int(time.time()), {}, {}
@@ -258,6 +261,8 @@ class OpenAIServing:
                     "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
         if request.prompt_logprobs:
             response["prompt_logprobs"] = _prompt_logprobs(out)
+        if out.kv_transfer_params is not None:   # a prefill instance: where its KV waits
+            response["kv_transfer_params"] = out.kv_transfer_params
         return response
 
     def _chat_events(self, request, request_id, first, results, top_n) -> AsyncIterator[str]:

@@ -75,9 +75,12 @@ class KVConnectorOutput:
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
+    # Loads that failed (vLLM: invalid_block_ids, kv_load_failure_policy "recompute"): the
+    # scheduler frees those requests' blocks and they compute their prompt instead.
+    failed_recving: set[str] | None = None
 
     def is_empty(self) -> bool:
-        return not self.finished_sending and not self.finished_recving
+        return not self.finished_sending and not self.finished_recving and not self.failed_recving
 
 
 class KVConnectorBase(ABC):
@@ -131,6 +134,11 @@ class KVConnectorBase(ABC):
         """(finished_sending, finished_recving): requests whose save / load completed
         since the last call. ``finished_req_ids``: requests the scheduler finished."""
         return None, None
+
+    def get_failed_recving(self) -> set[str] | None:
+        """Requests whose load failed since the last call (after ``get_finished``): they
+        compute their prompt instead (vLLM: ``get_block_ids_with_load_errors``)."""
+        return None
 
     # ========================================================= scheduler side
     @abstractmethod

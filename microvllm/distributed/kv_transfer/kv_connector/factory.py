@@ -49,3 +49,11 @@ def _offloading_connector() -> type[KVConnectorBase]:
 
 
 KVConnectorFactory.register_connector("OffloadingConnector", _offloading_connector)
+
+
+def _p2p_connector() -> type[KVConnectorBase]:
+    from microvllm.distributed.kv_transfer.kv_connector.p2p_connector import P2PConnector
+    return P2PConnector
+
+
+KVConnectorFactory.register_connector("P2PConnector", _p2p_connector)
