@@ -31,14 +31,66 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Container, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from microvllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from microvllm.core.outputs import EngineCoreOutput
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.sched_output import SchedulerOutput
 
 if TYPE_CHECKING:
     from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorOutput
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLoadPlan:
+    """What a connector offers one waiting request (``plan_kv_load``): the tokens past the
+    local hit to load (whole blocks), the request's blocks they fill (indices into its block
+    hashes), and ``load_async``: True when the request must wait in WAITING_FOR_REMOTE_KVS
+    until the worker reports the load finished, False when there is nothing to wait for."""
+
+    num_external_tokens: int
+    block_indices: tuple[int, ...]
+    load_async: bool
+
+
+def plan_kv_load(block_hashes: Sequence, num_tokens: int, num_local_tokens: int, block_size: int,
+                 remote_has: Container) -> KVLoadPlan:
+    """The scheduler side's decision for one waiting request (exercise 19; the
+    ``OffloadingConnector``'s ``get_num_new_matched_tokens`` asks it): the blocks past the
+    local prefix hit (``num_local_tokens``, whole blocks) whose hashes ``remote_has``
+    holds, in a row from the first block past the hit, stopping at the first it lacks and
+    before the block holding the request's last token (that token is computed: its logits
+    give the next token). Nothing to load: ``KVLoadPlan(0, (), False)``, the request may be
+    scheduled now; else it waits for the load (``load_async=True``). O(blocks)."""
+    ### BEGIN SOLUTION
+    first = num_local_tokens // block_size        # blocks [0, first) are local hits already
+    last = (num_tokens - 1) // block_size         # the last token's block is computed, never loaded
+    indices = []
+    for index in range(first, min(last, len(block_hashes))):
+        if block_hashes[index] not in remote_has:
+            break                                 # each hash covers its parents: a miss ends the run
+        indices.append(index)
+    return KVLoadPlan(len(indices) * block_size, tuple(indices), bool(indices))
+    ### END SOLUTION
+
+
+def release_finished_sends(kv_sending: dict[str, T], finished_sending: Iterable[str] | None) -> list[T]:
+    """The delayed free (exercise 19): the block lists to free now that the worker reports
+    ``finished_sending``, in request-id order, each taken out of ``kv_sending`` so that it is
+    freed once. A request reported again, or never delayed, frees nothing; a request still
+    being sent (not reported) keeps its blocks. O(reported)."""
+    ### BEGIN SOLUTION
+    freed = []
+    for request_id in sorted(finished_sending or ()):
+        blocks = kv_sending.pop(request_id, None)
+        if blocks is not None:   # reported again (or never delayed): nothing to free
+            freed.append(blocks)
+    return freed
+    ### END SOLUTION
 
 
 class KVConnectorScheduling:
@@ -77,9 +129,14 @@ class KVConnectorScheduling:
         if not kv.enable_caching:
             return False   # loaded blocks reach the request as prefix-cache hits
         hit_blocks, num_local = kv.get_computed_blocks(request)
-        num_external, _load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
         if num_external <= 0:
             return False
+        if not load_async:
+            raise ValueError(
+                f"the KV connector offered {num_external} tokens for request {request.request_id!r} with "
+                "load_async=False: microvllm loads between steps only, so a request with blocks to load must "
+                "wait for them (load_async=True); scheduling it now would compute on blocks not loaded yet")
         if num_local + num_external >= request.num_tokens or num_external % kv.block_size:
             raise ValueError(
                 f"the KV connector offered {num_external} tokens past {num_local} for request "
@@ -102,10 +159,16 @@ class KVConnectorScheduling:
             return
         self.connector.update_connector_output(output)
         kv = self.kv_cache_manager
-        for request_id in sorted(output.finished_sending or ()):
-            blocks = self.kv_sending.pop(request_id, None)
-            if blocks is not None:   # reported again (or never delayed): nothing to free
-                kv.free_blocks(blocks)
+        for blocks in release_finished_sends(self.kv_sending, output.finished_sending):
+            kv.free_blocks(blocks)
+        for request_id in sorted(output.failed_recving or ()):   # the load failed: compute instead
+            request = self.waiting_for_remote_kvs.pop(request_id, None)
+            if request is None:
+                continue
+            self.num_loading_tokens.pop(request_id)
+            kv.free(request)   # never cached (delay_cache_blocks): nobody else can hold them
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
         recved = output.finished_recving or set()
         loaded = [r for r in self.waiting_for_remote_kvs.values() if r.request_id in recved]
         for request in reversed(loaded):   # the first loaded ends up at the front
@@ -119,6 +182,14 @@ class KVConnectorScheduling:
             self.kv_pinned[request_id] = KVCacheBlocks(tuple(group[:num_full] for group in blocks.blocks))
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
+
+    def _with_kv_transfer_params(self, outputs: list[EngineCoreOutput],
+                                 finished: dict[str, Request]) -> list[EngineCoreOutput]:
+        """The finished requests' outputs carry what ``request_finished`` gave back
+        (a prefill instance's ``kv_transfer_params``: where the decode side reads the KV)."""
+        return [dataclasses.replace(out, kv_transfer_params=finished[out.request_id].kv_transfer_params)
+                if out.request_id in finished and finished[out.request_id].kv_transfer_params is not None
+                else out for out in outputs]
 
     def _add_kv_connector_metadata(self, output: SchedulerOutput, scheduled_new: list[Request]) -> SchedulerOutput:
         """End of ``schedule()``: admitted requests hold their loaded blocks as prefix hits

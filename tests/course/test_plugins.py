@@ -111,6 +111,12 @@ def test_solution_plugs_into_the_engine_with_hf_identical_tokens(name, tiny_llam
         calls = re.search(r"\((\d+) calls", result.message)
         assert result.same and calls and int(calls.group(1)) > 0, result.message
         return
+    if name == "19_kv_connector":   # the tiny Llama with the in-process tier: the solution plans loads and frees
+        from microvllm.checks.kv_connector import run_kv_tier_with
+
+        result = run_kv_tier_with(module.plan_kv_load, module.release_finished_sends, quiet=True)
+        assert result.same and "(12 calls to your plan_kv_load" in result.message, result.message
+        return
     if name == "20_prefix_router":   # two replicas behind the Router, the solution choosing for each request
         _router_with_the_solution_choice(tiny_llama, module.choose_prefix_replica)
         return

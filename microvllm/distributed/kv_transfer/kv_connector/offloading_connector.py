@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from microvllm.core import scheduler_kv_connector
 from microvllm.distributed.kv_transfer.kv_connector.base import (
     KVConnectorBase,
     KVConnectorMetadata,
@@ -124,16 +125,11 @@ class OffloadingConnector(KVConnectorBase):
         block holding the last token (it is computed, for the logits). O(blocks)."""
         if not self.kv_transfer_config.is_kv_consumer:
             return 0, False
-        first = num_computed_tokens // self.block_size
-        last = (request.num_tokens - 1) // self.block_size   # blocks before the last token's
-        count = 0
-        for block_hash in request.block_hashes[first:last]:
-            if block_hash not in self.stored:
-                break
-            count += 1
-        if count:
+        plan = scheduler_kv_connector.plan_kv_load(request.block_hashes, request.num_tokens, num_computed_tokens,
+                                                   self.block_size, self.stored)   # exercise 19
+        if plan.num_external_tokens:
             self._matched[request.request_id] = num_computed_tokens
-        return count * self.block_size, True
+        return plan.num_external_tokens, plan.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         num_local = self._matched.pop(request.request_id, None)

@@ -1,0 +1,144 @@
+"""Exercise 19 (the scheduler side of a KV connector: plan_kv_load and release_finished_sends):
+the package's OffloadingConnector and scheduler call them, the checker passes them and names
+the cause of each usual mistake (loading blocks the local prefix cache holds, scheduling before
+the load finished, freeing a block still being sent, freeing it twice), its random-arrivals
+simulation alone catches them, and the engine cell (the tiny model with the in-process tier)
+tells a wrong scheduler side from the right one and puts the package's back."""
+
+import importlib
+
+import pytest
+
+from microvllm.checks.kv_connector import (
+    HINT_ASYNC,
+    HINT_LAST,
+    HINT_LOCAL,
+    HINT_MISS,
+    HINT_SENDING,
+    HINT_TWICE,
+    check_kv_connector,
+    make_hashes,
+    run_kv_tier_with,
+    simulate,
+)
+from microvllm.checks.report import CheckFailure
+from microvllm.core.scheduler_kv_connector import KVLoadPlan, plan_kv_load, release_finished_sends
+from tests.course.mutants import mutant
+
+module = importlib.import_module("microvllm.core.scheduler_kv_connector")
+
+_FIRST = "    first = num_local_tokens // block_size"
+_LAST = "    last = (num_tokens - 1) // block_size"
+_RETURN = "    return KVLoadPlan(len(indices) * block_size, tuple(indices), bool(indices))"
+_POP = "        blocks = kv_sending.pop(request_id, None)"
+
+PLAN_BUGS = {   # name: (replacements, the hint the first failure must carry)
+    "loads blocks the local prefix cache already holds": ([(_FIRST, "    first = 0")], HINT_LOCAL),
+    "schedules before the load finished (load_async False)": (
+        [(_RETURN, _RETURN.replace("bool(indices)", "False"))], HINT_ASYNC),
+    "loads the last token's block": ([(_LAST, "    last = -(-num_tokens // block_size)")], HINT_LAST),
+    "counts past the first miss": ([("            break                                 #", "            continue  #")],
+                                   HINT_MISS),
+}
+RELEASE_BUGS = {
+    "frees a block still being sent (every delayed free at once)": (
+        [("    for request_id in sorted(finished_sending or ()):\n        blocks",
+          "    for request_id in sorted(kv_sending):\n        blocks")], HINT_SENDING),
+    "frees twice (reads kv_sending, does not take the entry out)": (
+        [(_POP, "        blocks = kv_sending.get(request_id)")], HINT_TWICE),
+}
+MUTANTS = {name: mutant(module, replacements) for name, (replacements, _) in {**PLAN_BUGS, **RELEASE_BUGS}.items()}
+
+
+def functions(name):
+    copy = MUTANTS[name]
+    return (copy.plan_kv_load if name in PLAN_BUGS else plan_kv_load,
+            copy.release_finished_sends if name in RELEASE_BUGS else release_finished_sends)
+
+
+def test_the_offloading_connector_and_the_scheduler_call_them(monkeypatch):
+    from microvllm.checks.kv_connector import run_kv_tier_with as run
+
+    calls = []
+    monkeypatch.setattr(module, "plan_kv_load", lambda *a: calls.append("plan") or plan_kv_load(*a))
+    monkeypatch.setattr(module, "release_finished_sends", lambda *a: calls.append("free") or release_finished_sends(*a))
+    # run_kv_tier_with swaps its own wrappers in and puts back what it found: ours, counted
+    result = run(plan_kv_load, release_finished_sends, quiet=True)
+    assert result.same, result.message
+    assert "plan" in calls and "free" in calls
+
+
+def test_the_docstring_example():
+    h = make_hashes(16)
+    assert plan_kv_load(h, 14, 4, 4, {h[0], h[1], h[2]}) == KVLoadPlan(8, (1, 2), True)
+    assert plan_kv_load(h, 16, 0, 4, set(h)) == KVLoadPlan(12, (0, 1, 2), True)
+    assert plan_kv_load(h, 18, 16, 4, set(h)) == KVLoadPlan(0, (), False)
+    sending = {"a": (3, 4), "b": (5,)}
+    assert release_finished_sends(sending, {"a", "z"}) == [(3, 4)] and sending == {"b": (5,)}
+    assert release_finished_sends(sending, {"a"}) == [] and release_finished_sends(sending, None) == []
+
+
+def test_the_package_passes():
+    result = check_kv_connector(plan_kv_load, release_finished_sends, quiet=True)
+    assert result.passed, result.report()
+
+
+@pytest.mark.parametrize("name", sorted({**PLAN_BUGS, **RELEASE_BUGS}))
+def test_each_mistake_is_named_by_its_cause(name):
+    result = check_kv_connector(*functions(name), quiet=True)
+    assert not result.passed and not result.not_implemented, f"the checker passed the mutant {name!r}"
+    first = result.failures[0].message
+    hint = {**PLAN_BUGS, **RELEASE_BUGS}[name][1]
+    assert hint in first, f"{name}: the first failure does not name the cause:\n{first}"
+    assert "hint:" in first and "input:" in first, first
+
+
+@pytest.mark.parametrize("name", sorted({**PLAN_BUGS, **RELEASE_BUGS}))
+def test_the_random_arrivals_alone_catch_each_mistake(name):
+    with pytest.raises(CheckFailure):
+        for seed in range(20):
+            simulate(*functions(name), seed=seed)
+
+
+def test_the_simulation_loads_and_frees():
+    totals = [simulate(plan_kv_load, release_finished_sends, seed=seed) for seed in range(5)]
+    assert all(t["loads"] > 0 and t["blocks_loaded"] > 0 and t["freed"] > 0 for t in totals), totals
+
+
+def test_a_todo_is_reported_as_not_implemented():
+    def todo(*args, **kwargs):
+        raise NotImplementedError("plan_kv_load: ...")
+
+    result = check_kv_connector(todo, release_finished_sends, quiet=True)
+    assert not result.passed and result.not_implemented and "not implemented" in result.report()
+    assert "not implemented yet" in run_kv_tier_with(todo, release_finished_sends, quiet=True).message
+
+
+def test_the_engine_cell_tells_a_wrong_scheduler_side_from_the_right_one():
+    result = run_kv_tier_with(plan_kv_load, release_finished_sends, quiet=True)
+    assert result.same and "✓ identical" in result.message, result.message
+    assert "(12 calls to your plan_kv_load" in result.message, result.message
+    # the example already fails this one: told before the engine starts
+    early = run_kv_tier_with(*functions("loads blocks the local prefix cache already holds"), quiet=True)
+    assert not early.same and "check_kv_connector" in early.message, early.message
+
+    def schedules_long_prompts_at_once(block_hashes, *args):   # right on the example (4 blocks), not past it
+        plan = plan_kv_load(block_hashes, *args)
+        return KVLoadPlan(plan.num_external_tokens, plan.block_indices, len(block_hashes) <= 4 and plan.load_async)
+
+    late = run_kv_tier_with(schedules_long_prompts_at_once, release_finished_sends, quiet=True)
+    assert not late.same and "load_async=False" in late.message, late.message
+    assert module.plan_kv_load is plan_kv_load and module.release_finished_sends is release_finished_sends
+
+
+def test_the_packages_functions_are_put_back_after_an_error():
+    h = make_hashes(16)
+
+    def broken(block_hashes, *args):
+        if block_hashes is not h and len(block_hashes) > 4:   # passes the example, fails in the engine
+            raise RuntimeError("broken on purpose")
+        return plan_kv_load(block_hashes, *args)
+
+    result = run_kv_tier_with(broken, release_finished_sends, quiet=True)
+    assert not result.same and "broken on purpose" in result.message, result.message
+    assert module.plan_kv_load is plan_kv_load
