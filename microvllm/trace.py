@@ -97,6 +97,16 @@ class StepTrace:
     # hybrid's free cached blocks are KV blocks or state snapshots.
     block_cache_groups: list[int] = field(default_factory=list)
     free: list[bool] = field(default_factory=list)
+    # KV connectors (notebook 19), each request id -> the blocks (first cache group) it holds
+    # outside the running requests' tables: waiting for its KV to load
+    # (WAITING_FOR_REMOTE_KVS), loaded and held until admitted ("pinned"), finished and held
+    # until its KV is saved or sent (a delayed free). And the blocks the worker loaded
+    # into the pool and saved out of it this step.
+    kv_loading: dict[str, list[int]] = field(default_factory=dict)
+    kv_pinned: dict[str, list[int]] = field(default_factory=dict)
+    kv_sending: dict[str, list[int]] = field(default_factory=dict)
+    kv_blocks_loaded: int = 0
+    kv_blocks_saved: int = 0
     num_free_blocks: int = 0
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
     allocated_blocks: list[int] = field(default_factory=list)
@@ -119,6 +129,11 @@ class StepTrace:
             for table in groups:
                 for block_id in table:
                     if request_id not in owners[block_id]:
+                        owners[block_id].append(request_id)
+        for held in (self.kv_loading, self.kv_pinned, self.kv_sending):   # a KV connector's holders
+            for request_id, blocks in held.items():
+                for block_id in blocks:
+                    if block_id and request_id not in owners[block_id]:
                         owners[block_id].append(request_id)
         return owners
 

@@ -39,6 +39,7 @@ class StepTracer:
             kv_cache_groups=[spec.kind for spec in manager.kv_cache_groups],
             sliding_window=windows[0] if windows else None, null_block_id=pool.null_block.block_id)
         self._after_schedule: tuple[Tables, list[int]] | None = None
+        self._kv_moved = (0, 0)   # a KV connector's blocks loaded and saved, at the last record
 
     def _snapshot(self) -> tuple[Tables, list[int]]:
         """The running requests' block tables and every block's ref count, now."""
@@ -113,7 +114,22 @@ class StepTracer:
             num_free_blocks=pool.get_num_free_blocks(),
             new_tokens=new_tokens, allocated_blocks=allocated, freed_blocks=freed,
             allowed_fraction=allowed_fractions(plan, self.vocab_size),
-            expert_load=dict(expert_load or {})))
+            expert_load=dict(expert_load or {}), **self._kv_connector_state()))
+
+    def _kv_connector_state(self) -> dict:
+        """What a KV connector holds now and moved this step (empty without one)."""
+        scheduler, manager = self.scheduler, self.scheduler.kv_cache_manager
+        connector = getattr(scheduler, "connector", None)
+        if connector is None:
+            return {}
+        loaded, saved = getattr(connector, "num_blocks_loaded", 0), getattr(connector, "num_blocks_saved", 0)
+        before = self._kv_moved
+        self._kv_moved = (loaded, saved)
+        return dict(
+            kv_loading={rid: list(manager.get_block_ids(rid)[0]) for rid in scheduler.waiting_for_remote_kvs},
+            kv_pinned={rid: list(blocks.get_block_ids()[0]) for rid, blocks in scheduler.kv_pinned.items()},
+            kv_sending={rid: list(blocks.get_block_ids()[0]) for rid, blocks in scheduler.kv_sending.items()},
+            kv_blocks_loaded=loaded - before[0], kv_blocks_saved=saved - before[1])
 
 
 def pool_changes(before: tuple[Tables, list[int]], after_schedule: tuple[Tables, list[int]],

@@ -11,10 +11,14 @@
     corner   a hybrid model's state page (a dark triangle in the top-right corner): held by a
              request's state group, or free but cached as a state snapshot; the other blocks
              hold keys and values
+    KV connector (notebook 19), a triangle in the bottom-left corner: blue, held by a request
+             whose KV is loading or loaded and waiting to be admitted; brown, held by a
+             finished request until its KV is saved or sent (a delayed free)
 
 Cells of one kind form one collection (fast to draw), with gids `pool-owned`
 (one polygon per stripe), `pool-cached`, `pool-free`, `pool-null`, the
-outlines `pool-allocated`, `pool-freed`, and the state pages' corners `pool-state-pages`; the cell at
+outlines `pool-allocated`, `pool-freed`, the state pages' corners `pool-state-pages`, and a KV
+connector's `pool-kv-loading`, `pool-kv-sending`; the cell at
 column x, row y is block ``y * ncols + x``, with ``ncols = grid_columns(num_blocks, aspect)``
 (aspect 2 for a figure of its own; in the explorer, its panel's width / height, so that
 square cells fill the panel). The ref counts are
@@ -94,6 +98,13 @@ def plot_block_pool(trace: Trace, step: int, ax: Axes | None = None, *, legend: 
         ax.add_collection(PolyCollection([_corner(b % ncols, b // ncols) for b in state_pages],
                                          facecolors=colors.STATE_COLOR, edgecolors="none", gid="pool-state-pages",
                                          zorder=2.4), autolim=False)
+    loading = sorted({b for held in (s.kv_loading, s.kv_pinned) for blocks in held.values() for b in blocks if b})
+    sending = sorted({b for blocks in s.kv_sending.values() for b in blocks if b})
+    for gid, blocks, color in (("pool-kv-loading", loading, colors.LOADING_COLOR),
+                               ("pool-kv-sending", sending, colors.SENDING_COLOR)):
+        if blocks:
+            ax.add_collection(PolyCollection([_low_corner(b % ncols, b // ncols) for b in blocks], facecolors=color,
+                                             edgecolors="none", gid=gid, zorder=2.4), autolim=False)
     for gid, blocks, color, inset in (("pool-allocated", s.allocated_blocks, colors.ALLOCATED_COLOR, 0.06),
                                       ("pool-freed", s.freed_blocks, colors.FREED_COLOR, 0.2)):
         outlines = [_cell(b % ncols + inset, b // ncols + inset, 1 - 2 * inset, 1 - 2 * inset) for b in blocks]
@@ -111,12 +122,20 @@ def plot_block_pool(trace: Trace, step: int, ax: Axes | None = None, *, legend: 
                  f"(black edge) · {len(s.freed_blocks)} freed (red edge)", fontsize=9)
     if legend:
         _legend(ax, trace, s.block_tables)
+    if s.kv_blocks_loaded or s.kv_blocks_saved:
+        ax.text(0, nrows + 0.3, f"KV connector this step: {s.kv_blocks_loaded} blocks loaded, "
+                f"{s.kv_blocks_saved} saved", fontsize=8, va="top", gid="pool-kv-moved")
     return fig
 
 
 def _corner(x: float, y: float, size: float = 0.32) -> list[tuple[float, float]]:
     """The top-right triangle of cell (x, y): the mark of a state page."""
     return [(x + 1 - size, y), (x + 1, y), (x + 1, y + size)]
+
+
+def _low_corner(x: float, y: float, size: float = 0.32) -> list[tuple[float, float]]:
+    """The bottom-left triangle of cell (x, y): a KV connector's mark."""
+    return [(x, y + 1 - size), (x, y + 1), (x + size, y + 1)]
 
 
 def _cell(x: float, y: float, width: float = 1.0, height: float = 1.0) -> list[tuple[float, float]]:
@@ -141,4 +160,7 @@ def _legend(ax: Axes, trace: Trace, block_tables: dict) -> None:
                 Patch(facecolor="none", edgecolor=colors.FREED_COLOR, linewidth=2.5, label="freed this step")]
     if "mamba" in trace.kv_cache_groups:
         handles.append(Patch(facecolor=colors.STATE_COLOR, label="state page (corner)"))
+    if any(s.kv_loading or s.kv_pinned or s.kv_sending for s in trace):
+        handles += [Patch(facecolor=colors.LOADING_COLOR, label="KV loading / loaded (corner)"),
+                    Patch(facecolor=colors.SENDING_COLOR, label="KV being sent: delayed free")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)

@@ -26,6 +26,8 @@ REJECTED_COLOR = "#d62728"     # hatch of rejected draft tokens and of their KV 
 DRAFT_HATCH, REJECTED_HATCH = "///", "xxx"
 PREFIX_HIT_COLOR = "#f5b800"  # the star beside a bar whose request found cached blocks; a hit block's edge
 STATE_COLOR = "#4b0082"       # the corner mark of a page holding a linear-attention state
+LOADING_COLOR = "#1f3a93"     # the corner mark of a block a KV connector is loading (or loaded, held)
+SENDING_COLOR = "#8b4513"     # the corner mark of a block held until its KV is saved or sent
 DECODE_ALPHA = 0.45           # decode tokens are drawn fainter than prefill tokens
 
 
