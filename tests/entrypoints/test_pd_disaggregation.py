@@ -20,6 +20,7 @@ import threading
 import httpx
 import pytest
 
+from microvllm.bench.pd import p2p_flags, pd_router_command
 from microvllm.models.tiny import make_tiny_model
 from tests.entrypoints.test_openai_server import SETTINGS, Server, free_port, wait_for
 from tests.entrypoints.test_vllm_router import ROUTER
@@ -37,8 +38,7 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog and then runs far away i
 
 
 def transfer_flags(role: str, **extra) -> list[str]:
-    return [*SETTINGS, "--kv-transfer-config", json.dumps(
-        {"kv_connector": "P2PConnector", "kv_role": role, "kv_connector_extra_config": extra})]
+    return [*SETTINGS, *p2p_flags(role, **extra)]
 
 
 def usage(server: Server) -> float:
@@ -67,11 +67,8 @@ def cluster(tmp_path_factory):
             wait_for(server.healthy, 180, "a server to start")
         port = free_port()
         log = open(root / "router.log", "w")
-        router = subprocess.Popen(
-            [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
-             "--prefill", servers["prefill"].url, "--decode", servers["decode"].url, "--kv-connector", "nixl",
-             "--policy", "round_robin", "--prometheus-port", str(free_port()), "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        router = subprocess.Popen(pd_router_command(ROUTER, port, servers["prefill"].url, servers["decode"].url),
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
 
         def router_up() -> bool:
