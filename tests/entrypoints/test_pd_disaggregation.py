@@ -135,12 +135,15 @@ def test_a_restarted_producer_is_noticed_and_the_prompt_recomputed(cluster):
     """A producer that restarted has a new engine id: it refuses the read; the decode side
     computes the prompt. The old blocks (here: the request's, still held) go on the timeout."""
     model, servers, _ = cluster
-    prompt = PROMPTS[1]
+    prompt = "a prompt no other test sends, so that the decode side has none of its blocks cached itself"
     want = complete(servers["colocated"].url, model, prompt)["choices"][0]["text"]
     params = prefill(servers, model, prompt)
+    hits_before = servers["decode"].metrics().get("prefix_cache_hits_total", 0)
     got = complete(servers["decode"].url, model, prompt,
                    kv_transfer_params={**params, "remote_engine_id": "an-engine-before-the-restart"})
     assert got["choices"][0]["text"] == want
+    # Computed, not loaded: the read was refused (a load would count as prefix hits).
+    assert servers["decode"].metrics().get("prefix_cache_hits_total", 0) == hits_before
     wait_for(lambda: usage(servers["prefill"]) == 0.0, SEND_TIMEOUT_S + 10, "the prefill side's timeout")
 
 
