@@ -36,6 +36,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` different free ports: each socket stays bound until all are chosen (one
+    ``free_port()`` after another may be handed the same port twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 class Server:
     def __init__(self, model: str | None, flags: list[str], log: Path):
         self.port = free_port()

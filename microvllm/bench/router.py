@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from microvllm.bench.hostile import free_port
+from microvllm.bench.hostile import free_port, free_ports
 
 VLLM_ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware", "kv_aware")
 COURSE_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_events")
@@ -226,13 +226,22 @@ def front_command(front: str, policy: str, port: int, replicas: list[str], event
 
 
 def run_policy(name: str, model: str, workload: Workload, args, logs: Path) -> PolicyResult:
+    """One policy's run; run again once if a process could not bind its port (another
+    program took it between our choice and its bind: a race no choice of port avoids)."""
+    result = run_policy_once(name, model, workload, args, logs)
+    if "Address already in use" in result.error:
+        result = run_policy_once(name, model, workload, args, logs)
+    return result
+
+
+def run_policy_once(name: str, model: str, workload: Workload, args, logs: Path) -> PolicyResult:
     front, _, policy = name.partition(":")
     result = PolicyResult(front, policy, requests=len(workload.prompts))
     processes: list[subprocess.Popen] = []
     tag = name.replace(":", "_")
     try:
-        ports = [free_port() for _ in range(2)]
-        event_ports = [free_port() for _ in range(2)]
+        chosen = free_ports(5)   # two replicas' HTTP ports, their KV event ports, the front's
+        ports, event_ports, port = chosen[:2], chosen[2:4], chosen[4]
         replicas = [f"http://127.0.0.1:{p}" for p in ports]
         events = [f"tcp://127.0.0.1:{p}" for p in event_ports]
         replica_logs = [logs / f"{tag}_replica{i}.log" for i in range(2)]
@@ -240,7 +249,6 @@ def run_policy(name: str, model: str, workload: Workload, args, logs: Path) -> P
             processes.append(start(replica_command(model, ports[i], event_ports[i], args), replica_logs[i]))
         for i, url in enumerate(replicas):
             wait_healthy(url, processes[i], replica_logs[i], args.startup_timeout)
-        port = free_port()
         processes.append(start(front_command(front, policy, port, replicas, events, model, args), logs / f"{tag}.log"))
         wait_healthy(f"http://127.0.0.1:{port}", processes[-1], logs / f"{tag}.log", 60)
         time.sleep(0.5)   # the KV event subscribers connect (a PUB drops what it sends before)

@@ -56,9 +56,9 @@ def test_engine_args_as_flags_round_trip(tiny_models):
     assert {k: v for k, v in dataclasses.asdict(defaults).items() if k not in flagless} == \
         {k: v for k, v in dataclasses.asdict(EngineArgs()).items() if k not in flagless}
     # Every resolved setting is an EngineArgs field (one list of options), and each lives
-    # in exactly one of the config's parts. (profiler_config, speculative_config and
-    # kv_events_config are one option each, holding a dict, as in vLLM.)
-    whole = ("profiler_config", "speculative_config", "kv_events_config")
+    # in exactly one of the config's parts. (profiler_config, speculative_config,
+    # kv_events_config and kv_transfer_config are one option each, holding a dict, as in vLLM.)
+    whole = ("profiler_config", "speculative_config", "kv_events_config", "kv_transfer_config")
     assert set(whole) <= {f.name for f in dataclasses.fields(EngineArgs)}
     parts = [f.type for f in dataclasses.fields(EngineConfig) if f.name.endswith("_config")
              and f.name not in whole]
