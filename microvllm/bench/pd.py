@@ -241,8 +241,10 @@ def run_arm(arm: str, model: str, workload: Workload, args: argparse.Namespace, 
     try:
         if arm == "disaggregated":
             assert router is not None
-            sides = {"prefill": (p2p_flags("kv_producer"), placement.prefill),
-                     "decode": (p2p_flags("kv_consumer"), placement.decode)}
+            side_channel = free_port()   # the producer's; the only one the consumer loads from
+            sides = {"prefill": (p2p_flags("kv_producer", port=side_channel), placement.prefill),
+                     "decode": (p2p_flags("kv_consumer", allowed_producers=[f"127.0.0.1:{side_channel}"]),
+                                placement.decode)}
         else:
             sides = {"colocated": ([], placement.colocated)}
         urls = {}

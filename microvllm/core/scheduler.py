@@ -53,6 +53,7 @@ blocks while they are saved or sent (``_start_kv_loads`` and below)::
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -70,6 +71,7 @@ from microvllm.core.stop_conditions import check_stop
 if TYPE_CHECKING:
     from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorOutput
 
+logger = logging.getLogger(__name__)
 
 class Scheduler(KVConnectorScheduling):
     """Decides, each step, which requests compute how many tokens."""
@@ -104,6 +106,7 @@ class Scheduler(KVConnectorScheduling):
         self.num_loading_tokens: dict[str, int] = {}     # of each: its tokens once loaded
         self.kv_pinned: dict[str, KVCacheBlocks] = {}    # loaded, waiting: held until admitted
         self.kv_sending: dict[str, KVCacheBlocks] = {}   # finished, being saved/sent: delayed free
+        self.connector_failures: dict[str, str] = {}     # a connector call raised: the engine fails them
 
     # ----------------------------------------------------------- requests in
 
@@ -144,8 +147,13 @@ class Scheduler(KVConnectorScheduling):
         kv, request_id = self.kv_cache_manager, request.request_id
         delay_free = False
         if self.connector is not None:
-            delay_free, request.kv_transfer_params = self.connector.request_finished(
-                request, kv.get_block_ids(request_id))
+            try:
+                delay_free, request.kv_transfer_params = self.connector.request_finished(
+                    request, kv.get_block_ids(request_id))
+            except Exception as error:  # noqa: BLE001 - the request finishes anyway; its blocks go
+                logger.error("the KV connector failed as request %r finished; its blocks are freed",
+                             request_id, exc_info=error)
+                delay_free, request.kv_transfer_params = False, None
         if delay_free:
             self.kv_sending[request_id] = kv.detach_blocks(request_id)
         else:
@@ -436,6 +444,11 @@ class Scheduler(KVConnectorScheduling):
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def num_waiting_requests(self) -> int:
+        """Waiting, as vLLM counts them: in the queue, or loading their KV from a peer (a
+        decode side busy loading is not idle: a router must see it)."""
+        return len(self.waiting) + len(self.waiting_for_remote_kvs)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached block hash; False (nothing changed) while blocks are in use.

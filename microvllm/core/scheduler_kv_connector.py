@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections import deque
 from collections.abc import Container, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorOutput
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +109,8 @@ class KVConnectorScheduling:
     num_loading_tokens: dict[str, int]
     kv_pinned: dict[str, KVCacheBlocks]
     kv_sending: dict[str, KVCacheBlocks]
+    connector_failures: dict[str, str]
+    requests: dict[str, Request]
 
     def _kv_load_window(self) -> int:
         """How many waiting requests (from the front) could be admitted next step: only
@@ -117,10 +121,29 @@ class KVConnectorScheduling:
         """Ask the connector about the waiting requests that could be admitted next
         (called after each step and when a request arrives). O(window * blocks)."""
         for request in list(itertools.islice(self.waiting, max(self._kv_load_window(), 0))):
-            if request.request_id not in self.kv_pinned:
+            if request.request_id not in self.kv_pinned and request.request_id not in self.connector_failures:
                 self._maybe_start_kv_load(request)
 
     def _maybe_start_kv_load(self, request: Request) -> bool:
+        """``_start_kv_load`` under fault isolation: a connector that raises for one request
+        (its ``kv_transfer_params`` are a client's) fails that request, never the engine.
+        Its blocks go back; the engine reports it (``take_connector_failures``)."""
+        try:
+            return self._start_kv_load(request)
+        except Exception as error:  # noqa: BLE001 - any connector error is that request's
+            logger.error("the KV connector failed for request %r; the request fails, the engine goes on",
+                         request.request_id, exc_info=error)
+            if request.status == RequestStatus.WAITING:
+                self.kv_cache_manager.free(request)
+            self.connector_failures[request.request_id] = f"the KV connector failed: {type(error).__name__}: {error}"
+            return False
+
+    def take_connector_failures(self) -> dict[str, str]:
+        """Requests whose connector call raised, with why (the engine fails each); each once."""
+        failures, self.connector_failures = self.connector_failures, {}
+        return {rid: why for rid, why in failures.items() if rid in self.requests}
+
+    def _start_kv_load(self, request: Request) -> bool:
         """vLLM's order: the local prefix hit, then ``get_num_new_matched_tokens`` for the
         tokens past it, ``allocate_slots`` for them (not cached until loaded), then
         ``update_state_after_alloc``. True if a load started."""
@@ -215,8 +238,12 @@ class KVConnectorScheduling:
         the queue without their (never cached) blocks, and sends are given up: their blocks
         are freed. The connector forgets what it handed over and was not reported."""
         kv = self.kv_cache_manager
+        given_up = set(self.kv_sending)
         for request_id in list(self.kv_sending):
             kv.free_blocks(self.kv_sending.pop(request_id))
+        if given_up and self.connector is not None:   # their blocks are free: never serve them again
+            from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
+            self.connector.update_connector_output(KVConnectorOutput(finished_sending=given_up))
         for request in reversed(list(self.waiting_for_remote_kvs.values())):
             kv.free(request)
             request.status = RequestStatus.WAITING

@@ -342,7 +342,7 @@ class AsyncLLM(EngineClient):
 
     def _update_gauges(self) -> None:
         scheduler = self.engine.scheduler
-        self.metrics.set_gauges(len(scheduler.running), len(scheduler.waiting),
+        self.metrics.set_gauges(len(scheduler.running), scheduler.num_waiting_requests(),
                                 self.engine.kv_cache_manager.usage,
                                 self.engine.prefix_cache_queries, self.engine.prefix_cache_hits)
         if self.engine.config.speculative_config is not None:

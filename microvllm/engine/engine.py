@@ -45,6 +45,7 @@ from microvllm.core.scheduler import Scheduler
 from microvllm.detokenizer import IncrementalDetokenizer
 from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorRole
 from microvllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from microvllm.distributed.kv_transfer.kv_transfer_params import check_kv_transfer_params
 from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.engine.output_processor import OutputProcessor
 from microvllm.engine.outputs import RequestOutput
@@ -102,7 +103,7 @@ class Engine:
         self.num_kv_blocks = self._initialize_kv_caches()
         block_size = cache_config.block_size
         specs = self.executor.kv_cache_layout.kv_cache_specs(    # one per cache group
-            block_size, mamba_prefix_caching=cache_config.mamba_cache_mode == "all")
+            block_size, mamba_prefix_caching=cache_config.mamba_cache_mode != "none")
         # component(): the class given in components (an exercise's), else the engine's.
         kv_events = config.kv_events_config is not None and config.kv_events_config.enable_kv_cache_events
         self.kv_cache_manager = component(components, "kv_cache_manager", KVCacheManager)(
@@ -178,6 +179,29 @@ class Engine:
         errors call it (``LLM.generate`` checks all its prompts first, as "prompts[2]").
         ``grammars``: its structured-output matchers, compiled already (a server compiles
         them in worker processes); otherwise they are compiled here."""
+        token_ids: list[int] | None = None
+        try:
+            processed = self._process_request(request_id, prompt, params, name=name, grammars=grammars)
+            token_ids = processed.token_ids
+            kv_transfer_params = (processed.params.extra_args or {}).get("kv_transfer_params")
+            if kv_transfer_params is not None:   # from a request body: untrusted
+                check_kv_transfer_params(kv_transfer_params)
+                if self.scheduler.connector is not None:   # e.g. a producer the operator did not allow
+                    self.scheduler.connector.check_request(kv_transfer_params, processed.token_ids)
+            return processed
+        except ValueError:
+            kv_transfer_params = _kv_transfer_params(params) if isinstance(params, SamplingParams) else None
+            if kv_transfer_params is not None and self.scheduler.connector is not None:
+                if token_ids is None:   # refused before it was tokenized: the release needs its tokens
+                    try:
+                        token_ids = self.tokenize_prompt(prompt, params)[1]   # type: ignore[arg-type]
+                    except Exception:  # noqa: BLE001 - then the peer frees on its timeout
+                        token_ids = None
+                self.scheduler.connector.request_refused(kv_transfer_params, token_ids)
+            raise
+
+    def _process_request(self, request_id: str, prompt, params: SamplingParams | None, *,
+                         name: str | None, grammars: list | None) -> ProcessedRequest:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -300,6 +324,7 @@ class Engine:
         """Run one engine step; return a ``RequestOutput`` for every request that changed."""
         if self.fault_isolation is not None:
             self.fault_isolation.limit_admissions(self.scheduler)
+        failed_by_connector = self._fail_connector_casualties()   # never scheduled
         plan = self._with_grammar_bitmask(self.scheduler.schedule())
         for request_id, num_hit_tokens in plan.num_prefix_hit_tokens.items():
             self.prefix_cache_queries += self.scheduler.requests[request_id].num_tokens
@@ -315,7 +340,7 @@ class Engine:
             if (self.fault_isolation is None or not isinstance(error, Exception)
                     or isinstance(error, FATAL_ERRORS)):
                 raise
-            return self._isolate_fault(plan, error)
+            return failed_by_connector + self._isolate_fault(plan, error)
         core_outputs = self.scheduler.update_from_output(
             plan, runner_output.sampled_token_ids, runner_output.spec_token_ids,
             **({"kv_connector_output": runner_output.kv_connector_output}
@@ -328,6 +353,7 @@ class Engine:
         outputs.extend(failed)
         if stopped:  # stop strings, found by the detokenizer
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs.extend(failed_by_connector + self._fail_connector_casualties())
         self._forget_finished_grammars()
         if self.tracer is not None:
             self.tracer.record(plan, traced, core_outputs, stopped,
@@ -428,6 +454,21 @@ class Engine:
         for request_id in [r for r in manager.grammars if r not in self.scheduler.requests]:
             manager.remove(request_id)
 
+    def _fail_connector_casualties(self) -> list[RequestOutput]:
+        """Fail the requests whose KV connector call raised (``Scheduler._maybe_start_kv_load``):
+        their caller hears why; their blocks are freed; the engine goes on."""
+        outputs = []
+        for child_id, why in self.scheduler.take_connector_failures().items():
+            request_id = self.output_processor.parent_id(child_id)
+            self.scheduler.finish_requests(self.output_processor.child_ids(request_id),
+                                           RequestStatus.FINISHED_ABORTED)
+            failed = self.output_processor.fail(request_id, why)
+            if failed is not None:
+                outputs.append(failed)
+        if outputs:
+            self._forget_finished_grammars()
+        return outputs
+
     def _isolate_fault(self, plan, error: Exception) -> list:
         """A step raised (its work is undone): fail the request it can be pinned on, or
         retry the step's requests one suspect at a time (``engine/fault_isolation.py``)."""
@@ -500,6 +541,11 @@ class Engine:
 
 # vLLM's name for the class that runs the step loop.
 LLMEngine = Engine
+
+
+def _kv_transfer_params(params: SamplingParams) -> dict | None:
+    value = (params.extra_args or {}).get("kv_transfer_params")
+    return value if isinstance(value, dict) else None
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -218,7 +218,7 @@ def engine_metrics(engine) -> list[Metric]:
     scheduler = engine.scheduler
     metrics: list[Metric] = [
         Gauge(f"{PREFIX}num_requests_running", {}, len(scheduler.running)),
-        Gauge(f"{PREFIX}num_requests_waiting", {}, len(scheduler.waiting)),
+        Gauge(f"{PREFIX}num_requests_waiting", {}, scheduler.num_waiting_requests()),
         Gauge(f"{PREFIX}kv_cache_usage_perc", {}, engine.kv_cache_manager.usage),
         Counter(f"{PREFIX}prefix_cache_queries", {}, engine.prefix_cache_queries),
         Counter(f"{PREFIX}prefix_cache_hits", {}, engine.prefix_cache_hits)]

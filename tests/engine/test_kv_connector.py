@@ -102,3 +102,49 @@ def test_the_tier_with_two_tensor_parallel_ranks_keeps_tokens_and_hits(model):
     tier_tokens, tier_hits, engine = run_one_at_a_time(model, prompts, TIER, tensor_parallel_size=2)
     engine.shutdown()
     assert tier_tokens == tokens and hits == 0 and tier_hits == 4 * 48
+
+
+class _FaultyConnector:
+    """The tier, but its scheduler side raises for prompts that start with token 13 (a
+    connector tripping over one client's kv_transfer_params)."""
+
+    @staticmethod
+    def load() -> type:
+        from microvllm.distributed.kv_transfer.kv_connector.offloading_connector import OffloadingConnector
+
+        class FaultyConnector(OffloadingConnector):
+            def get_num_new_matched_tokens(self, request, num_computed_tokens):
+                if request.prompt_token_ids[0] == 13:
+                    raise RuntimeError("a connector bug, for this request only")
+                return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return FaultyConnector
+
+
+def test_a_connector_error_fails_that_request_and_never_the_engine(model):
+    """Three requests, max_num_seqs 2: the faulty one is asked both on arrival and, queued,
+    after a step (inside update_from_output). It alone ends with an error; the others get
+    the tokens of an engine without the fault; the pool's accounting holds throughout."""
+    from microvllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector("FaultyConnector", _FaultyConnector.load)
+    except ValueError:
+        pass   # registered by an earlier run in this process
+    prompts = shared_prefix_prompts(3)
+    for order in ([0, 1, 2], [2, 0, 1]):       # the faulty one queued last, then first
+        faulty = {**prompts[2], "prompt_token_ids": [13] + prompts[2]["prompt_token_ids"]}
+        batch = [prompts[0], prompts[1], faulty]
+        llm = LLM(str(model), block_size=8, num_kv_blocks=20, max_num_seqs=2, debug_invariants=True,
+                  kv_transfer_config={"kv_connector": "FaultyConnector", "kv_role": "kv_both"})
+        engine = llm.llm_engine
+        for index in order:
+            engine.add_request(str(index), batch[index], GREEDY)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert finished["2"].error is not None and "a connector bug" in finished["2"].error
+        want = LLM(str(model), block_size=8, num_kv_blocks=20).generate(batch[:2], GREEDY, use_tqdm=False)
+        assert [finished[str(i)].outputs[0].token_ids for i in (0, 1)] == [w.outputs[0].token_ids for w in want]
+        assert engine.kv_cache_manager.usage == 0.0

@@ -27,47 +27,71 @@ and the request falls back to computing its prompt; and the same code runs betwe
 hosts. Shared memory would save one copy, but its lifetime would have to be managed
 across two processes that may die independently.
 
+Who is trusted (``p2p_protocol.py`` draws the messages):
+
+- A decode instance connects only to producers its operator named
+  (``allowed_producers``); a request naming any other host or port is refused with a 400
+  before anything connects. Without ``allowed_producers`` it loads from nobody.
+- What it loads must be what it would have computed: it sends the digest of its own
+  prompt's tokens up to the last block it reads; the producer compares it with its digest
+  of the tokens *it* prefilled and refuses a mismatch; the consumer compares the
+  producer's answer with its own too. Only then do the bytes reach its blocks, and only
+  loaded blocks that passed become prefix-cache entries. The producer serves its own
+  block ids for the range asked (a client's ``remote_block_ids`` give only a count).
+- Every message is length-capped and every exchange has one deadline.
+
 Who frees what, when:
 
 - producer: a finished ``do_remote_decode`` request that stopped on length (max_tokens=1)
   keeps its blocks (``request_finished`` -> delay_free) until the consumer has read them
-  and acknowledged, or ``send_timeout_s`` passed (a decode instance that died, or a
-  request the router never sent on): then ``finished_sending`` frees them. A read that
-  names another engine id (the producer restarted: a new ``engine_id``), an unknown or
-  expired request, or blocks it was not given is refused.
+  and acknowledged, released them (its decode leg was refused), or ``send_timeout_s``
+  passed (a decode instance that died, or a request the router never sent on): then
+  ``finished_sending`` frees them. At most ``max_held_blocks`` blocks are held for remote
+  decodes at once: past that a prefill answers with no blocks (the decode side computes).
+  A read that names another engine id (the producer restarted: a new ``engine_id``), an
+  unknown or expired request, a range it does not hold or another prompt is refused. A
+  read in progress keeps its blocks from expiring under it.
 - consumer: the loaded blocks are the request's own (not cached until loaded). A load
-  that fails (refused, timed out after ``load_timeout_s``, a refused read) is reported in
-  ``failed_recving``: the scheduler frees the blocks and the request computes its prompt
-  (vLLM's ``kv_load_failure_policy="recompute"``), tokens unchanged. A request aborted
-  while its blocks are read keeps them until the read ends (the bytes land in a staging
-  buffer and are copied into the cache only inside a step, never by the reading thread),
-  then both sides free.
+  that fails (refused, past its deadline of ``load_timeout_s``, a digest mismatch) is
+  reported in ``failed_recving``: the scheduler frees the blocks and the request computes
+  its prompt (vLLM's ``kv_load_failure_policy="recompute"``), tokens unchanged. A request
+  aborted while its blocks are read keeps them until the read ends (the bytes land in a
+  staging buffer and are copied into the cache only inside a step, never by the reading
+  thread), then both sides free.
 
 Options (``kv_connector_extra_config``): ``host`` (the side channel's address, default
-127.0.0.1), ``port`` (default 0: any free port), ``send_timeout_s`` (default 120),
-``load_timeout_s`` (default 30). One worker process only (tensor_parallel_size 1): the
-side channel reads the worker's KV cache in the engine process.
+127.0.0.1), ``port`` (default 0: any free port; give one so that consumers can allow it),
+``allowed_producers`` (consumer: ``["host:port", ...]``, the producers' side channels),
+``send_timeout_s`` (default 30: how long a producer holds an unread prefill),
+``max_held_blocks`` (default half the pool), ``load_timeout_s`` (default 30: one load,
+end to end), ``max_side_channel_connections`` (default 16). One worker process only
+(tensor_parallel_size 1): the side channel reads the worker's KV cache in the engine
+process.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import socket
-import socketserver
-import struct
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from microvllm.distributed.kv_transfer.kv_connector.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
+)
+from microvllm.distributed.kv_transfer.kv_connector.p2p_protocol import (
+    parse_producers,
+    prompt_digest,
+    prompt_digests,
+)
+from microvllm.distributed.kv_transfer.kv_connector.p2p_side_channel import (
+    RemoteLoad,
+    SendEntry,
+    SideChannel,
 )
 
 if TYPE_CHECKING:
@@ -77,63 +101,31 @@ if TYPE_CHECKING:
     from microvllm.core.request import Request
     from microvllm.core.sched_output import SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
 # The side channel's port of each producer engine in this process (engine id -> port),
 # written by the worker side when it binds, read by the scheduler side for its answers.
 _SIDE_CHANNEL_PORTS: dict[str, int] = {}
 _SIDE_CHANNEL_READY = threading.Condition()
 
 
-def prompt_digest(token_ids: list[int], num_blocks: int, block_size: int) -> str:
-    """A short digest of the tokens the blocks hold: the consumer checks its prompt is the one
-    the producer prefilled before reading them."""
-    data = struct.pack(f"<{num_blocks * block_size}q", *token_ids[:num_blocks * block_size])
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-@dataclass
-class RemoteLoad:
-    block_ids: tuple[int, ...]          # here, to fill
-    remote_block_ids: tuple[int, ...]   # there, to read
-    params: dict
-
-
 @dataclass
 class P2PConnectorMetadata(KVConnectorMetadata):
     """One step's orders: loads to start (consumer), loads still wanted (a load whose
-    request left is dropped), releases to send (a remote prefill not read after all), and
-    sends to serve (producer: request -> (block ids, deadline))."""
+    request left is dropped), releases to send (a remote prefill not read after all), sends
+    to serve (producer) and sends given up (their blocks freed: stop serving them now)."""
 
     reqs_to_load: dict[str, RemoteLoad] = field(default_factory=dict)
     loads_wanted: set[str] = field(default_factory=set)
-    reqs_to_release: dict[str, dict] = field(default_factory=dict)
-    reqs_to_send: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    reqs_to_release: dict[str, RemoteLoad] = field(default_factory=dict)
+    reqs_to_send: dict[str, SendEntry] = field(default_factory=dict)
+    sends_given_up: set[str] = field(default_factory=set)
     idle: bool = False   # nothing computed this step: wait a little for a transfer
-
-
-def _send_msg(sock: socket.socket, obj: dict) -> None:
-    data = json.dumps(obj).encode()
-    sock.sendall(struct.pack("<I", len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, size: int, into: memoryview | None = None) -> bytes:
-    buffer = into if into is not None else memoryview(bytearray(size))
-    got = 0
-    while got < size:
-        n = sock.recv_into(buffer[got:], size - got)
-        if n == 0:
-            raise ConnectionError("the peer closed the connection")
-        got += n
-    return bytes(buffer) if into is None else b""
-
-
-def _recv_msg(sock: socket.socket) -> dict:
-    (size,) = struct.unpack("<I", _recv_exact(sock, 4))
-    return json.loads(_recv_exact(sock, size))
 
 
 class P2PConnector(KVConnectorBase):
     """Disaggregated prefill (see the module docstring): kv_producer serves its finished
-    prompts' blocks, kv_consumer reads them."""
+    prompts' blocks, kv_consumer reads them from the producers it allows."""
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole, num_kv_blocks: int,
                  kv_cache_specs: list[KVCacheSpec]) -> None:
@@ -151,8 +143,11 @@ class P2PConnector(KVConnectorBase):
         get = self.kv_transfer_config.get_from_extra_config
         self.host = str(get("host", "127.0.0.1"))
         self.port = int(get("port", 0))
-        self.send_timeout_s = float(get("send_timeout_s", 120.0))
+        self.send_timeout_s = float(get("send_timeout_s", 30.0))
         self.load_timeout_s = float(get("load_timeout_s", 30.0))
+        self.max_held_blocks = int(get("max_held_blocks", max(1, (num_kv_blocks - 1) // 2)))
+        self.max_connections = int(get("max_side_channel_connections", 16))
+        self.allowed_producers = parse_producers(get("allowed_producers", None))
         self.engine_id = str(self.kv_transfer_config.engine_id)
         if role == KVConnectorRole.SCHEDULER:
             self._matched: dict[str, tuple[int, int]] = {}     # request -> (first block, count)
@@ -160,17 +155,58 @@ class P2PConnector(KVConnectorBase):
             self._loads: dict[str, RemoteLoad] = {}            # not yet handed to the worker
             self._loads_in_flight: dict[str, Request] = {}     # handed over, not reported
             self._aborted_loads: set[str] = set()              # finished while in flight
-            self._releases: dict[str, dict] = {}
-            self._sends: dict[str, tuple[tuple[int, ...], float]] = {}
+            self._releases: dict[str, RemoteLoad] = {}
+            self._sends: dict[str, SendEntry] = {}
+            self._held: dict[str, int] = {}                    # producer: blocks held per request
+            self._given_up: set[str] = set()
         else:
-            self._lock = threading.Condition()
-            self.kv_caches: list[torch.Tensor] = []
-            self._serving: dict[str, tuple[tuple[int, ...], float]] = {}   # producer: readable
-            self._done_sending: set[str] = set()
-            self._staged: dict[str, tuple[RemoteLoad, list[torch.Tensor] | None]] = {}   # consumer: read
-            self._server: socketserver.ThreadingTCPServer | None = None
+            self.side_channel = SideChannel(self.engine_id, self.block_size, self.load_timeout_s,
+                                            self.max_connections)
 
     # ========================================================= scheduler side
+    def check_request(self, kv_transfer_params: dict | None, prompt_token_ids: list[int]) -> None:
+        """A decode leg (``do_remote_prefill``) must name a producer this instance allows:
+        else ``ValueError`` (a 400) naming the setting. Called before the request is queued."""
+        params = kv_transfer_params
+        if not self.kv_transfer_config.is_kv_consumer or not params or not params.get("do_remote_prefill"):
+            return
+        self._producer(params)
+
+    def _producer(self, params: dict) -> tuple[str, int]:
+        host, port = str(params.get("remote_host") or "").strip("[]").lower(), params.get("remote_port")
+        if (host, port) in self.allowed_producers:
+            return host, int(port)   # type: ignore[arg-type]
+        allowed = sorted(f"{h}:{p}" for h, p in self.allowed_producers)
+        raise ValueError(f"kv_transfer_params names the producer {host}:{port}, which this decode instance "
+                         f"does not load from: its operator lists producers in kv_transfer_config's "
+                         f"kv_connector_extra_config allowed_producers (now {allowed})")
+
+    def request_refused(self, kv_transfer_params: dict | None, prompt_token_ids: list[int] | None) -> None:
+        """A decode leg was refused after all (a 400 for another field): tell an allowed
+        producer to free the prompt's blocks now rather than at its timeout."""
+        params = kv_transfer_params
+        if (not self.kv_transfer_config.is_kv_consumer or not params or not params.get("do_remote_prefill")
+                or not prompt_token_ids):
+            return
+        try:
+            load = self._remote_load(params, prompt_token_ids, (), 0, len(params.get("remote_block_ids") or ()))
+        except (ValueError, TypeError):
+            return   # not an allowed producer, malformed, or nothing it could hold: nothing to release
+        SideChannel.release_in_background(load, self.load_timeout_s)
+
+    def _remote_load(self, params: dict, prompt_token_ids: list[int], block_ids: tuple[int, ...],
+                     first: int, count: int) -> RemoteLoad:
+        """What the worker needs to read blocks [first, first + count) from the producer;
+        ``ValueError`` if there is nothing to read or no allowed producer is named."""
+        count = min(count, len(prompt_token_ids) // self.block_size - first)
+        if count <= 0:
+            raise ValueError("nothing to read")
+        host, port = self._producer(params)
+        return RemoteLoad(block_ids=block_ids, first=first, count=count, host=host, port=port,
+                          engine_id=str(params.get("remote_engine_id")),
+                          request_id=str(params.get("remote_request_id")),
+                          prompt_digest=prompt_digest(prompt_token_ids, first + count, self.block_size))
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """A ``do_remote_prefill`` request: the prompt's full blocks past the local hit that
         the producer holds, never the last token's block. Asked once per request."""
@@ -182,9 +218,8 @@ class P2PConnector(KVConnectorBase):
         remote = params.get("remote_block_ids") or []
         first = num_computed_tokens // self.block_size
         last = min(len(remote), (request.num_prompt_tokens - 1) // self.block_size)
-        if last <= first or params.get("remote_prompt_digest") != prompt_digest(
-                request.prompt_token_ids, len(remote), self.block_size):
-            self._releases[request.request_id] = params   # nothing to read: free the producer's now
+        if last <= first:
+            self.request_refused(params, request.prompt_token_ids)   # nothing to read: free it there now
             return 0, False
         self._matched[request.request_id] = (first, last - first)
         return (last - first) * self.block_size, True
@@ -195,12 +230,12 @@ class P2PConnector(KVConnectorBase):
         if matched is None or params is None:
             return
         if num_external_tokens == 0:   # no room: the request computes its prompt
-            self._releases[request.request_id] = params
+            self.request_refused(params, request.prompt_token_ids)
             return
         first, count = matched
-        block_ids = blocks.get_block_ids()[0][first:first + count]
-        self._loads[request.request_id] = RemoteLoad(tuple(block_ids), tuple(params["remote_block_ids"]
-                                                                          [first:first + count]), params)
+        block_ids = tuple(blocks.get_block_ids()[0][first:first + count])
+        self._loads[request.request_id] = self._remote_load(params, request.prompt_token_ids, block_ids,
+                                                            first, count)
         self._loads_in_flight[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2PConnectorMetadata:
@@ -212,12 +247,18 @@ class P2PConnector(KVConnectorBase):
             self._loads.pop(rid, None)
         metadata = P2PConnectorMetadata(reqs_to_load=self._loads, loads_wanted=wanted,
                                         reqs_to_release=self._releases, reqs_to_send=self._sends,
+                                        sends_given_up=self._given_up,
                                         idle=scheduler_output.total_num_scheduled_tokens == 0)
-        self._loads, self._releases, self._sends = {}, {}, {}
+        self._loads, self._releases, self._sends, self._given_up = {}, {}, {}, set()
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """A load ended (read or failed): a request aborted meanwhile frees its blocks now."""
+        """A load ended (read or failed): a request aborted meanwhile frees its blocks now.
+        A send ended: its blocks no longer count against ``max_held_blocks``."""
+        for request_id in connector_output.finished_sending or ():
+            self._held.pop(request_id, None)
+            self._sends.pop(request_id, None)
+            self._given_up.add(request_id)   # freed (read, expired or undone): never served again
         ended = (connector_output.finished_recving or set()) | (connector_output.failed_recving or set())
         for request_id in ended:
             self._loads_in_flight.pop(request_id, None)
@@ -233,7 +274,7 @@ class P2PConnector(KVConnectorBase):
         load = self._loads.pop(request_id, None)
         if load is not None:            # aborted before its read started: tell the producer
             self._loads_in_flight.pop(request_id, None)
-            self._releases[request_id] = load.params
+            self._releases[request_id] = load
         if request_id in self._loads_in_flight:   # being read into its blocks: free them after
             self._aborted_loads.add(request_id)
             return True, None
@@ -242,15 +283,21 @@ class P2PConnector(KVConnectorBase):
                 or request.status != RequestStatus.FINISHED_LENGTH_CAPPED):
             return False, None
         num_full = min(request.num_prompt_tokens // self.block_size, len(block_ids[0]))
+        if sum(self._held.values()) + num_full > self.max_held_blocks:
+            logger.warning("holding %d blocks for remote decodes already (max_held_blocks %d): request %r's "
+                           "decode side computes its prompt", sum(self._held.values()), self.max_held_blocks,
+                           request_id)
+            num_full = 0
+        digests = prompt_digests(request.prompt_token_ids[:num_full * self.block_size], self.block_size)
         remote_block_ids = tuple(block_ids[0][:num_full])
         answer = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                   "remote_block_ids": list(remote_block_ids), "remote_host": self.host,
                   "remote_port": self._side_channel_port(), "remote_request_id": request_id,
-                  "remote_prompt_digest": prompt_digest(request.prompt_token_ids, num_full, self.block_size),
-                  "tp_size": 1}
+                  "remote_prompt_digest": digests[-1] if digests else None, "tp_size": 1}
         if not remote_block_ids:
             return False, answer
-        self._sends[request_id] = (remote_block_ids, time.monotonic() + self.send_timeout_s)
+        self._sends[request_id] = SendEntry(remote_block_ids, tuple(digests), time.monotonic() + self.send_timeout_s)
+        self._held[request_id] = num_full
         return True, answer
 
     def _side_channel_port(self) -> int:
@@ -260,96 +307,13 @@ class P2PConnector(KVConnectorBase):
 
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
-        self.kv_caches = kv_caches
+        self.side_channel.kv_caches = kv_caches
         if not self.kv_transfer_config.is_kv_producer:
             return
-        connector = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                connector._serve_one(self.request)
-
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer((self.host, self.port), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="p2p-kv-side-channel", daemon=True).start()
+        port = self.side_channel.listen(self.host, self.port)
         with _SIDE_CHANNEL_READY:
-            _SIDE_CHANNEL_PORTS[self.engine_id] = self._server.server_address[1]
+            _SIDE_CHANNEL_PORTS[self.engine_id] = port
             _SIDE_CHANNEL_READY.notify_all()
-
-    def _serve_one(self, sock: socket.socket) -> None:
-        """Producer: one consumer's read (or release) of one request's blocks."""
-        sock.settimeout(self.load_timeout_s)
-        try:
-            ask = _recv_msg(sock)
-            request_id = str(ask.get("request_id"))
-            with self._lock:   # the step that registers the send may not have run yet
-                self._lock.wait_for(lambda: request_id in self._serving, timeout=5.0)
-                entry = self._serving.get(request_id)
-            why = None
-            if ask.get("engine_id") != self.engine_id:
-                why = f"engine id {ask.get('engine_id')!r} is not this engine's ({self.engine_id}): it restarted"
-            elif entry is None:
-                why = f"request {request_id!r} has no blocks here (unknown, freed or expired)"
-            elif not set(ask.get("block_ids", ())) <= set(entry[0]):
-                why = "asked for blocks the request does not hold"
-            if why is not None:
-                _send_msg(sock, {"ok": False, "error": why})
-                return
-            if ask.get("op") == "release":
-                self._mark_sent(request_id)
-                _send_msg(sock, {"ok": True})
-                return
-            ids = torch.tensor(ask["block_ids"], dtype=torch.long)
-            _send_msg(sock, {"ok": True})
-            for kv_cache in self.kv_caches:
-                sock.sendall(kv_cache[:, ids].contiguous().numpy().tobytes())
-            if _recv_msg(sock).get("done"):
-                self._mark_sent(request_id)
-        except (OSError, ValueError, KeyError):
-            return   # the consumer went away: the blocks stay until the timeout
-
-    def _mark_sent(self, request_id: str) -> None:
-        with self._lock:
-            if self._serving.pop(request_id, None) is not None:
-                self._done_sending.add(request_id)
-                self._lock.notify_all()
-
-    def _read_remote(self, request_id: str, load: RemoteLoad) -> None:
-        """Consumer (a thread): read one request's blocks into a staging buffer."""
-        staged: list[torch.Tensor] | None = None
-        try:
-            params = load.params
-            with socket.create_connection((params["remote_host"], int(params["remote_port"])),
-                                          timeout=self.load_timeout_s) as sock:
-                _send_msg(sock, {"op": "read", "engine_id": params["remote_engine_id"],
-                                 "request_id": params["remote_request_id"],
-                                 "block_ids": list(load.remote_block_ids)})
-                answer = _recv_msg(sock)
-                if not answer.get("ok"):
-                    raise ConnectionError(answer.get("error"))
-                staged = []
-                for kv_cache in self.kv_caches:
-                    out = torch.empty((2, len(load.block_ids), *kv_cache.shape[2:]), dtype=kv_cache.dtype)
-                    _recv_exact(sock, out.numel() * out.element_size(), memoryview(out.numpy()).cast("B"))  # type: ignore[arg-type]
-                    staged.append(out)
-                _send_msg(sock, {"done": True})
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            import logging
-            logging.getLogger(__name__).warning("KV load of %s failed (%s): computing its prompt", request_id, error)
-            staged = None
-        with self._lock:
-            self._staged[request_id] = (load, staged)
-            self._lock.notify_all()
-
-    def _release_remote(self, params: dict) -> None:
-        try:
-            with socket.create_connection((params["remote_host"], int(params["remote_port"])), timeout=5) as sock:
-                _send_msg(sock, {"op": "release", "engine_id": params["remote_engine_id"],
-                                 "request_id": params["remote_request_id"]})
-                _recv_msg(sock)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass   # the producer frees them on its timeout
 
     def _metadata(self) -> P2PConnectorMetadata:
         metadata = self._get_connector_metadata()
@@ -357,13 +321,11 @@ class P2PConnector(KVConnectorBase):
 
     def start_load_kv(self, **kwargs: Any) -> None:
         metadata = self._metadata()
-        with self._lock:
-            self._serving.update(metadata.reqs_to_send)
-            self._lock.notify_all()
+        self.side_channel.serve(metadata.reqs_to_send, metadata.sends_given_up)
         for request_id, load in metadata.reqs_to_load.items():
-            threading.Thread(target=self._read_remote, args=(request_id, load), daemon=True).start()
-        for params in metadata.reqs_to_release.values():
-            threading.Thread(target=self._release_remote, args=(params,), daemon=True).start()
+            self.side_channel.read_in_background(request_id, load)
+        for load in metadata.reqs_to_release.values():
+            SideChannel.release_in_background(load, self.load_timeout_s)
 
     def wait_for_save(self) -> None:
         """Nothing to save: the producer's blocks are read in place by the side channel."""
@@ -373,31 +335,15 @@ class P2PConnector(KVConnectorBase):
         reading thread); expire sends past their deadline. An idle step waits up to 20 ms
         for a transfer instead of spinning."""
         metadata = self._metadata()
-        with self._lock:
-            if metadata.idle and not self._staged and not self._done_sending:
-                self._lock.wait(0.02)
-            now = time.monotonic()
-            for request_id, (_, deadline) in list(self._serving.items()):
-                if now > deadline:
-                    del self._serving[request_id]
-                    self._done_sending.add(request_id)
-            sending, self._done_sending = self._done_sending, set()
-            staged = {rid: item for rid, item in self._staged.items()
-                      if rid in metadata.loads_wanted or rid in metadata.reqs_to_load}
-            for rid in staged:
-                del self._staged[rid]
-            for rid in list(self._staged):   # nobody waits for it any more
-                if rid not in metadata.loads_wanted:
-                    del self._staged[rid]
+        sending, staged = self.side_channel.collect(metadata.loads_wanted | set(metadata.reqs_to_load),
+                                                    wait=metadata.idle)
         recving: set[str] = set()
         self._failed: set[str] = set()
         for request_id, (load, tensors) in staged.items():
             if tensors is None:
                 self._failed.add(request_id)
                 continue
-            ids = torch.tensor(load.block_ids, dtype=torch.long)
-            for kv_cache, tensor in zip(self.kv_caches, tensors):
-                kv_cache[:, ids] = tensor.to(device=kv_cache.device)
+            self.side_channel.copy_into_cache(load.block_ids, tensors)
             recving.add(request_id)
         return sending or None, recving or None
 
@@ -407,6 +353,5 @@ class P2PConnector(KVConnectorBase):
         return failed or None
 
     def shutdown(self) -> None:
-        if getattr(self, "_server", None) is not None:
-            assert self._server is not None
-            self._server.shutdown()
+        if getattr(self, "side_channel", None) is not None:
+            self.side_channel.shutdown()
