@@ -21,8 +21,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from microvllm.distributed.kv_transfer.kv_transfer_params import check_kv_transfer_params
 from microvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Fields of the OpenAI API or of vLLM's server that name a feature microvllm lacks.
@@ -88,6 +89,12 @@ class _SamplingFields(BaseModel):
     # asks a prefill instance to keep the KV; do_remote_prefill tells a decode instance
     # where to read it (distributed/kv_transfer/kv_connector/p2p_connector.py).
     kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _well_formed_kv_transfer_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Untrusted input that steers a KV transfer: known keys, types, lengths, ranges.
+        return None if value is None else check_kv_transfer_params(value)
 
     def check_supported(self) -> list[str]:
         """Raise ``ValueError`` for a field of a feature microvllm lacks (naming it);
