@@ -117,7 +117,8 @@ class SamplingParams:
     ignore_eos: keep generating after eos.
     logprobs: return the log-probabilities of the top-N tokens at each step.
     prompt_logprobs: return the log-probabilities of each prompt token and the top-N
-        there (the first prompt token has none: nothing predicts it).
+        there (the first prompt token has none: nothing predicts it). 0 is on, as in
+        vLLM: each prompt token's own log-probability, with no alternatives; None is off.
     skip_special_tokens: leave special tokens (``<|im_end|>``) out of the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     logit_bias: ``{token_id: bias}`` added to those logits before sampling (OpenAI's).

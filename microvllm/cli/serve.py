@@ -30,6 +30,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: $VLLM_API_KEY if set, else no key)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or the path of a file holding one: replaces the model's")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info: the tokenizer's configuration as JSON (vLLM's flag; "
+                             "off by default, as it shows the tokenizer's whole config and chat template)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,

@@ -46,6 +46,7 @@ from microvllm.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from microvllm.config.cache import MAMBA_CACHE_MODES
 from microvllm.config.components import check_components
 from microvllm.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS
 from microvllm.config.structured_outputs import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
@@ -138,9 +139,10 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata=_cli(
         "longest prompt + output in tokens (default: the model's max_position_embeddings)"))
     block_size: int = field(default=16, metadata=_cli("tokens per KV cache block (a power of two)"))
-    mamba_cache_mode: str = field(default="all", metadata=_cli(
-        "hybrid models (linear-attention layers): all = snapshot the state at every block "
-        "boundary so prefix caching can resume from it; none = no snapshots (no prefix hits)"))
+    mamba_cache_mode: str = field(default="align", metadata=_cli(
+        "hybrid models (linear-attention layers): align (vLLM's default) or all = snapshot the state "
+        "at every block boundary so prefix caching can resume from it (vLLM's align keeps only those "
+        "where a step ends); none = no snapshots (no prefix hits)"))
     num_kv_blocks: int | None = field(default=None, metadata=_cli(
         "KV cache blocks (default: as many as the KV budget holds, capped at what max_num_seqs "
         "full-length requests could use)"))
@@ -186,7 +188,9 @@ class EngineArgs:
         "methods ngram, draft_model (with model=), layer_skip (with num_draft_layers=)", parse=json.loads))
     kv_events_config: dict | None = field(default=None, metadata=_cli(
         'KV cache events for a router, as a JSON dict (vLLM\'s KVEventsConfig): e.g. \'{"enable_kv_cache_events": '
-        'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'', parse=json.loads))
+        'true, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}\'. The events carry '
+        "every prompt's token ids: the default endpoint is loopback (vLLM's is tcp://*:5557); a wildcard "
+        "(*, 0.0.0.0, ::) logs a warning", parse=json.loads))
     kv_transfer_config: dict | None = field(default=None, metadata=_cli(
         'the KV connector, as a JSON dict (vLLM\'s KVTransferConfig): e.g. \'{"kv_connector": '
         '"OffloadingConnector", "kv_role": "kv_both"}\' (a second KV tier)', parse=json.loads))
@@ -375,9 +379,10 @@ class EngineArgs:
         _positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, 8, 16, 32...)")
-        if self.mamba_cache_mode not in ("all", "none"):
-            raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r}: choose 'all' (state snapshots "
-                             "at block boundaries) or 'none'")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r} is not one of "
+                             f"{', '.join(map(repr, MAMBA_CACHE_MODES))}: 'align' or 'all' (state snapshots "
+                             "at block boundaries) or 'none' (no snapshots)")
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
             if self.num_kv_blocks < 2:

@@ -69,7 +69,7 @@ class KVCacheLayout:
 
     def kv_cache_specs(self, block_size: int, mamba_prefix_caching: bool = True) -> list[KVCacheSpec]:
         """One spec per cache group, for blocks of ``block_size`` tokens
-        (``mamba_prefix_caching``: state snapshots, ``mamba_cache_mode="all"``)."""
+        (``mamba_prefix_caching``: state snapshots, ``mamba_cache_mode`` "align" or "all")."""
         return [MambaSpec(block_size, mamba_prefix_caching) if group in self.state_groups
                 else attention_spec(block_size, window) for group, window in enumerate(self.sliding_windows)]
 

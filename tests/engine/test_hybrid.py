@@ -36,8 +36,11 @@ def run_waves(folder, waves, **settings):
     return llm, hits
 
 
-def test_a_second_wave_resumes_from_the_snapshots(tiny_models):
-    _, hits = run_waves(tiny_models["qwen3_5"], shared_prefix_waves(40))
+@pytest.mark.parametrize("mode", [None, "align", "all"])   # None: the default, vLLM's "align"
+def test_a_second_wave_resumes_from_the_snapshots(tiny_models, mode):
+    settings = {} if mode is None else {"mamba_cache_mode": mode}
+    llm, hits = run_waves(tiny_models["qwen3_5"], shared_prefix_waves(40), **settings)
+    assert llm.engine.config.cache_config.mamba_cache_mode == (mode or "align")
     assert hits[1] == [32, 32, 32], "each of the second wave should resume at the last snapshot (2 blocks of 16)"
 
 
@@ -84,7 +87,7 @@ def test_n_greedy_samples_and_a_mixed_batch(tiny_models):
 @pytest.mark.parametrize("settings,message", [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "roll the state back"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size=1"),
-    (dict(mamba_cache_mode="align"), "mamba_cache_mode"),
+    (dict(mamba_cache_mode="every_block"), r"mamba_cache_mode='every_block' is not one of 'align', 'all', 'none'"),
 ])
 def test_what_a_hybrid_cannot_do_is_refused(tiny_models, settings, message):
     with pytest.raises(ValueError, match=message):

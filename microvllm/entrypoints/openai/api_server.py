@@ -10,6 +10,8 @@
     POST /v1/completions        prompt(s) -> text         (stream=true: server-sent events)
     POST /v1/chat/completions   messages  -> a reply      (stream=true: server-sent events)
     POST /tokenize /detokenize  text or messages <-> token ids (vLLM's)
+    GET  /tokenizer_info        the tokenizer's configuration, with --enable-tokenizer-info-endpoint
+                                only (vLLM's; off: 404). lm-eval reads it
     GET  /metrics               Prometheus text: queue sizes, KV usage, TTFT, ITL, tokens
 
 Every error has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: a bad
@@ -152,9 +154,10 @@ class CatchAll:
 
 def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
-              on_engine_dead=None) -> FastAPI:
+              on_engine_dead=None, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``model_name`` (and any other
-    ``served_model_names``). ``on_engine_dead()`` is called once if the engine dies."""
+    ``served_model_names``). ``on_engine_dead()`` is called once if the engine dies.
+    ``enable_tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (else it is a 404)."""
     serving = OpenAIServing(engine, model_name, chat_template=chat_template)
     names = [model_name, *(served_model_names or [])]
 
@@ -316,12 +319,43 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
             functools.partial(engine.tokenizer.decode, request.tokens, skip_special_tokens=False))
         return {"prompt": text}
 
+    if enable_tokenizer_info_endpoint:   # off by default, as in vLLM: it shows the tokenizer's whole config
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info():
+            if engine.tokenizer is None:
+                return error_response(400, "this model has no tokenizer")
+            return JSONResponse(tokenizer_info(engine.tokenizer.hf_tokenizer, serving.chat_template))
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(engine.metrics.render(model_name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def tokenizer_info(hf_tokenizer, chat_template: str | None = None) -> dict:
+    """vLLM's ``/tokenizer_info`` body: the arguments the tokenizer was made with (its
+    ``tokenizer_config.json``: special tokens, chat template, ...) as JSON, special tokens
+    as their text, plus ``tokenizer_class``, and ``chat_template`` if the server was given
+    one (``--chat-template``). Paths on the server are left out: vLLM drops ``vocab_file``
+    and ``merges_file``; we also drop ``name_or_path`` (here the model's folder)."""
+    def plain(value):
+        if hasattr(value, "content"):   # AddedToken: its text
+            return value.content
+        if isinstance(value, dict):
+            return {str(key): plain(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(item) for item in value]
+        return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+    config = {key: value for key, value in (getattr(hf_tokenizer, "init_kwargs", None) or {}).items()
+              if key not in ("vocab_file", "merges_file", "name_or_path")}
+    config = plain(config)
+    config["tokenizer_class"] = type(hf_tokenizer).__name__
+    if chat_template:
+        config["chat_template"] = chat_template
+    return config
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -371,7 +405,8 @@ def run_server(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = build_app(engine, served[0], served_model_names=served[1:], api_key=api_key,
-                    chat_template=chat_template, on_engine_dead=engine_dead)
+                    chat_template=chat_template, on_engine_dead=engine_dead,
+                    enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False))
     limits = RequestLimits.from_cli_args(args)
     app.state.request_limits = limits   # read by RequestGuard
     logger.info("serving %s on http://%s:%d", served[0], args.host, args.port)

@@ -170,7 +170,9 @@ class OpenAIServing:
                                 "logprobs": logprobs,
                                 "finish_reason": "length" if scoring_only else c.finish_reason,
                                 "stop_reason": None if scoring_only else c.stop_reason,
-                                "prompt_logprobs": _prompt_logprobs(out) if request.prompt_logprobs else None})
+                                # 0 is on (each prompt token's own logprob), as in vLLM
+                                "prompt_logprobs": (_prompt_logprobs(out) if request.prompt_logprobs is not None
+                                                    else None)})
         response = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                     "model": self.model_name, "choices": choices,
                     "usage": _usage(prompt_tokens, completion_tokens)}
@@ -182,6 +184,10 @@ class OpenAIServing:
         created, prompt_tokens, completion_tokens = int(time.time()), {}, {}
         progress = StreamProgress()   # keyed by (prompt, sample)
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        continuous = _continuous_usage(request.stream_options)
+
+        def usage() -> dict:   # so far: every prompt and every choice seen until now
+            return _usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))
 
         async def chunks():
             async for index, out in _chain_async(first, results):
@@ -201,10 +207,9 @@ class OpenAIServing:
                     choices.append({"index": index * n + c.index, "text": text, "logprobs": logprobs,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
-                    yield {**head, "choices": choices, "usage": None}
+                    yield {**head, "choices": choices, "usage": usage() if continuous else None}
 
-        return _sse_stream(chunks(), head, request.stream_options,
-                           lambda: _usage(sum(prompt_tokens.values()), sum(completion_tokens.values())))
+        return _sse_stream(chunks(), head, request.stream_options, usage)
 
     # -------------------------------------------------------------- chat
     def render_chat(self, request: ChatCompletionRequest) -> dict:
@@ -259,7 +264,7 @@ class OpenAIServing:
         response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                     "model": self.model_name, "choices": choices,
                     "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
-        if request.prompt_logprobs:
+        if request.prompt_logprobs is not None:   # 0 is on: each prompt token's own logprob (vLLM)
             response["prompt_logprobs"] = _prompt_logprobs(out)
         if out.kv_transfer_params is not None:   # a prefill instance: where its KV waits
             response["kv_transfer_params"] = out.kv_transfer_params
@@ -270,10 +275,14 @@ class OpenAIServing:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         last = {"out": first[1]}
         calls_tools = request.tool_call_schema() is not None
+        continuous = _continuous_usage(request.stream_options)
 
         async def chunks():
-            yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None} for i in range(request.n)]}
+            role = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None} for i in range(request.n)]}
+            if continuous:   # vLLM's first chunk: no completion token yet
+                role["usage"] = _usage(len(first[1].prompt_token_ids), 0)
+            yield role
             progress = StreamProgress()   # keyed by the choice's index
             async for _, out in _chain_async(first, results):
                 last["out"] = out
@@ -290,7 +299,7 @@ class OpenAIServing:
                                     "logprobs": _chat_logprobs(c, start, top_n) if top_n is not None else None,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
-                    yield {**head, "choices": choices, "usage": None}
+                    yield {**head, "choices": choices, "usage": usage() if continuous else None}
 
         def usage() -> dict:
             out = last["out"]
@@ -337,6 +346,13 @@ class StreamProgress:
         if c.finish_reason is not None:
             self.ended.add(key)
         return start
+
+
+def _continuous_usage(stream_options) -> bool:
+    """``stream_options: {"include_usage": true, "continuous_usage_stats": true}`` (vLLM's):
+    every chunk carries the usage so far (the request's prompt tokens and the completion
+    tokens sent up to and with it), besides the usage chunk at the end."""
+    return stream_options is not None and stream_options.include_usage and stream_options.continuous_usage_stats
 
 
 async def _sse_stream(chunks: AsyncIterator[dict], head: dict, stream_options, usage) -> AsyncIterator[str]:
