@@ -11,11 +11,8 @@ requests, delayed frees included); every wait is a poll against a deadline; ever
 process is killed by the fixture.
 """
 
-import hashlib
-import json
 import signal
 import socket
-import struct
 import subprocess
 import threading
 import time
@@ -23,9 +20,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import torch
 
 from microvllm.bench.hostile import free_ports
+from microvllm.bench.hostile_pd import FakeProducer, client_digest, forge_kv, send_raw, trickle
 from microvllm.bench.pd import p2p_flags, pd_router_command
 from microvllm.distributed.kv_transfer.kv_connector.p2p_protocol import prompt_digest
 from microvllm.models.tiny import make_tiny_model
@@ -194,11 +191,6 @@ def test_a_decode_instance_that_dies_mid_transfer_frees_the_producers_blocks(clu
     wait_for(lambda: usage(servers["prefill"]) == 0.0, SEND_TIMEOUT_S + 10, "the prefill side's timeout")
 
 
-def send_raw(sock: socket.socket, message: dict) -> None:
-    data = json.dumps(message).encode()
-    sock.sendall(len(data).to_bytes(4, "little") + data)
-
-
 def token_ids(servers, model: str, prompt: str) -> list[int]:
     response = httpx.post(servers["colocated"].url + "/tokenize", json={"model": model, "prompt": prompt}, timeout=30)
     return response.json()["tokens"]
@@ -248,53 +240,12 @@ OTHER = ("Which of these is a mammal: (a) a shark, (b) a dolphin, (c) a trout, (
          "with the letter only.")
 
 
-def client_digest(ids: list[int], num_blocks: int, block_size: int = 16) -> str:
-    """The digest a client can compute for any prompt: what the decode side once compared
-    ``remote_prompt_digest`` with (it came from the request body, so it proved nothing)."""
-    data = struct.pack(f"<{num_blocks * block_size}q", *ids[:num_blocks * block_size])
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
 def assert_decode_side_answers_like_colocated(cluster, prompt: str) -> None:
     """A plain request for ``prompt`` (its blocks now cached at the decode side, if any were
     loaded) gets the colocated server's greedy text: the cache holds no foreign KV."""
     want = complete(cluster.servers["colocated"].url, cluster.model, prompt, max_tokens=12)["choices"][0]["text"]
     got = complete(cluster.servers["decode"].url, cluster.model, prompt, max_tokens=12)["choices"][0]["text"]
     assert got == want, "the decode side's prefix cache holds another prompt's KV"
-
-
-class FakeProducer:
-    """A listener on ``port`` that plays a producer: ``behaviour(sock, ask)`` answers one read."""
-
-    def __init__(self, port: int, behaviour):
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", port))
-        self.sock.listen(8)
-        self.accepted: list[socket.socket] = []
-        self.behaviour = behaviour
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
-        try:
-            size = int.from_bytes(conn.recv(4), "little")
-            self.behaviour(conn, json.loads(conn.recv(size)))
-        except (OSError, ValueError):
-            pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.accepted:
-            conn.close()
 
 
 def test_another_prompts_kv_never_enters_the_decode_cache(cluster):
@@ -329,11 +280,8 @@ def test_a_producer_the_operator_did_not_name_is_never_contacted(cluster):
     victim = REFUND + " (order 7788)"
     ids = token_ids(servers, model, victim)
 
-    def forge(conn: socket.socket, ask: dict) -> None:
-        send_raw(conn, {"ok": True, "prompt_digest": ask.get("prompt_digest")})
-        conn.sendall(torch.randn(1 << 20).numpy().tobytes())   # 4 MiB of "KV"
     rogue_port = free_port()
-    rogue = FakeProducer(rogue_port, forge)
+    rogue = FakeProducer(rogue_port, forge_kv)
     try:
         for host, port in (("127.0.0.1", rogue_port), ("localhost", cluster.side_channel),
                            ("127.0.0.5", cluster.side_channel)):
@@ -407,11 +355,6 @@ def test_a_trickling_producer_is_cut_off_at_the_load_deadline(cluster):
     prompt = PROMPTS[3] + " trickle"
     params = prefill(servers, model, prompt)
 
-    def trickle(conn: socket.socket, ask: dict) -> None:
-        send_raw(conn, {"ok": True, "prompt_digest": ask.get("prompt_digest")})
-        for _ in range(40):
-            conn.sendall(b"\0")
-            time.sleep(1.0)
     fake = FakeProducer(cluster.fake, trickle)
     try:
         started = time.monotonic()
