@@ -356,11 +356,17 @@ def test_a_trickling_producer_is_cut_off_at_the_load_deadline(cluster):
     params = prefill(servers, model, prompt)
 
     fake = FakeProducer(cluster.fake, trickle)
+    answers: list[dict] = []
     try:
         started = time.monotonic()
-        got = complete(servers["decode"].url, model, prompt, timeout=90,
-                       kv_transfer_params={**params, "remote_port": cluster.fake})
+        request = threading.Thread(target=lambda: answers.append(complete(
+            servers["decode"].url, model, prompt, timeout=90, kv_transfer_params={**params, "remote_port": cluster.fake})))
+        request.start()
+        # Loading its KV, the request is waiting (vLLM counts it so): a router sees a busy server.
+        wait_for(lambda: servers["decode"].metrics().get("num_requests_waiting", 0) >= 1, 3, "a loading request")
+        request.join(90)
         took = time.monotonic() - started
+        got = answers[0]
     finally:
         fake.close()
     assert took < 3 + 5, f"the load took {took:.0f} s (its deadline is 3 s)"
