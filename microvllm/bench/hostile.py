@@ -10,7 +10,8 @@ how long SIGTERM takes to stop a second server in the middle of a long compile.
 
     python -m microvllm bench hostile [--model FOLDER] [--quick] [--set all|server|pd|events-tier|proxy]
 
-The other sets, each on servers of its own (``--set`` picks one): ``pd``, a client of a
+This module is the first set (one server); ``bench/hostile_sets.py`` runs it and the
+others, each on servers of its own (``--set`` picks one): ``pd``, a client of a
 prefill/decode pair (``bench/hostile_pd.py``); ``events-tier``, the KV event sockets and
 the file-backed KV tier (``bench/hostile_events_tier.py``); ``proxy``, the course's HTTP
 proxy in front of two replicas (``bench/hostile_proxy.py``). Each prints its table and a
@@ -23,7 +24,6 @@ Figures depend on the machine: run it with nothing else running.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import re
 import signal
@@ -257,30 +257,14 @@ def sigterm_during_compile(model: str | None, log: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="microvllm bench hostile", description=__doc__.split("\n\n")[0])
+    """The first set alone (``bench/hostile_sets.py`` runs it with the others)."""
+    parser = argparse.ArgumentParser(prog="microvllm bench hostile --set server",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--quick", action="store_true", help="fewer 8 MB chats (and smaller sets)")
-    parser.add_argument("--set", default="all", choices=["all", "server", *OTHER_SETS],
-                        help="which attacks: one server's (the first set), a P/D pair's, the KV events' and "
-                             "tier's, the course proxy's, or all")
+    parser.add_argument("--quick", action="store_true", help="fewer 8 MB chats")
     args = parser.parse_args(argv)
-    logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    if args.set in ("all", "server"):
-        server_set(args, logs)
-    verdicts = {}
-    for name, module in OTHER_SETS.items():
-        if args.set in ("all", name):
-            print(f"\n== {name} ==")
-            verdicts[name] = importlib.import_module(module).run(args.model, logs, args.quick)
-    passed = "no poisoned answer, no server death, memory within 10 %, stream gaps under 1 s"
-    for name, ok in verdicts.items():
-        print(f"{name}: {passed if ok else 'FAILED (see above)'}")
-    return 0 if all(verdicts.values()) else 1
-
-
-# The sets on servers of their own: name -> module with run(model, logs, quick) -> bool.
-OTHER_SETS = {"pd": "microvllm.bench.hostile_pd", "events-tier": "microvllm.bench.hostile_events_tier",
-              "proxy": "microvllm.bench.hostile_proxy"}
+    server_set(args, Path(os.environ.get("TMPDIR", "/tmp")))
+    return 0
 
 
 def server_set(args: argparse.Namespace, logs: Path) -> None:

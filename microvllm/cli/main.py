@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         elif argv[1] == "structured":
             from microvllm.bench.structured import main as bench_main
         elif argv[1] == "hostile":
-            from microvllm.bench.hostile import main as bench_main
+            from microvllm.bench.hostile_sets import main as bench_main
         elif argv[1] == "targets":
             from microvllm.bench.targets import main as bench_main
         else:

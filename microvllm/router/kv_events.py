@@ -71,6 +71,9 @@ class KVEventsPolicy(RoutingPolicy):
     def cleared(self, replica: int) -> None:
         self._replica(replica).clear()
 
+    def forget(self, replica: int) -> None:
+        self.cleared(replica)   # a restarted replica starts empty; its events tell the rest
+
     def apply_event(self, replica: int, event) -> None:
         """One event record of vLLM's names: ``BlockStored`` / ``BlockRemoved`` (each with
         ``block_hashes``) or ``AllBlocksCleared``. Others (a future kind) are ignored."""

@@ -89,5 +89,9 @@ class RoutingPolicy:
     def on_routed(self, request: RoutedRequest, choice: Choice) -> None:
         """Called after ``request`` was sent to ``choice.replica``."""
 
+    def forget(self, replica: int) -> None:
+        """Called when ``replica`` left the rotation (it died, or stopped answering): what
+        it cached is gone or out of reach, so a policy that remembers it forgets it."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -105,12 +105,18 @@ class PrefixAwarePolicy(RoutingPolicy):
         self.tree = ApproximatePrefixTree(len(limits), limits)
 
     def choose(self, request: RoutedRequest, replicas: Sequence[ReplicaState]) -> Choice:
-        if len(self.tree.num_blocks) != len(replicas):
-            # used alone, without a Router: a tree of max_blocks_per_replica (None: unbounded)
-            self.tree = ApproximatePrefixTree(len(replicas), self.max_blocks_per_replica)
+        needed = 1 + max(r.index for r in replicas)
+        if len(self.tree.num_blocks) < needed:
+            # used alone, without a Router: a tree of max_blocks_per_replica (None: unbounded).
+            # Fewer replicas than the tree's keep it: a proxy shows only those in rotation.
+            self.tree = ApproximatePrefixTree(needed, self.max_blocks_per_replica)
         states = [replace(r, cached_block_hashes=self.tree.view(r.index)) for r in replicas]
         return self.choose_fn(request, states, balance_abs_threshold=self.balance_abs_threshold,
                               balance_rel_threshold=self.balance_rel_threshold)
 
     def on_routed(self, request: RoutedRequest, choice: Choice) -> None:
         self.tree.insert(choice.replica, request.block_hashes)
+
+    def forget(self, replica: int) -> None:
+        if replica < len(self.tree.num_blocks):
+            self.tree.clear(replica)

@@ -86,9 +86,12 @@ class ApproximatePrefixTree:
         return ReplicaView(self, replica)
 
     def clear(self, replica: int) -> None:
-        """Forget everything sent to ``replica`` (its prefix cache was reset)."""
-        while self.num_blocks[replica]:
-            self._drop_oldest_leaf(replica)
+        """Forget everything sent to ``replica`` (its prefix cache was reset, or it died):
+        one pass over the nodes, not one per block, as a proxy does it between requests."""
+        for node in [node for node in self.nodes.values() if replica in node.last_sent]:
+            del node.last_sent[replica]
+            self._remove_if_unused(node)
+        self.num_blocks[replica] = 0
 
     def _drop_oldest_leaf(self, replica: int) -> None:
         leaves = [node for node in self.nodes.values() if replica in node.last_sent
@@ -96,16 +99,16 @@ class ApproximatePrefixTree:
         oldest = min(leaves, key=lambda node: node.last_sent[replica])
         del oldest.last_sent[replica]
         self.num_blocks[replica] -= 1
-        if not oldest.last_sent and not oldest.children:   # no replica left: remove the node
-            assert oldest.parent is not None and oldest.block_hash is not None
-            del oldest.parent.children[oldest.block_hash]
-            del self.nodes[oldest.block_hash]
-            parent = oldest.parent
-            while parent is not self.root and not parent.last_sent and not parent.children:
-                assert parent.parent is not None and parent.block_hash is not None
-                del parent.parent.children[parent.block_hash]
-                del self.nodes[parent.block_hash]
-                parent = parent.parent
+        self._remove_if_unused(oldest)
+
+    def _remove_if_unused(self, node: _Node) -> None:
+        """Remove ``node`` if no replica holds it and it has no children, then its parents
+        that became the same."""
+        while node is not self.root and not node.last_sent and not node.children:
+            assert node.parent is not None and node.block_hash is not None
+            del node.parent.children[node.block_hash]
+            del self.nodes[node.block_hash]
+            node = node.parent
 
 
 class ReplicaView:
