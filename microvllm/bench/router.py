@@ -18,7 +18,7 @@ seeded) plus a question of its own. Each replica gets ``--num-kv-blocks`` sized 
 about half of the prefixes, so all of them overflow one replica's cache but fit in two:
 a policy that sends each prefix to one replica keeps it cached, one that spreads every
 prefix over both evicts and recomputes. Replicas are restarted for every policy (cold
-caches); each runs with OMP_NUM_THREADS=1 and publishes its KV events (``tcp://*:PORT``)
+caches); each runs with OMP_NUM_THREADS=1 and publishes its KV events (``tcp://127.0.0.1:PORT``)
 for the two policies that read them.
 
 Per policy: the prefix-cache hit rate (``vllm:prefix_cache_hits`` / ``queries`` deltas on
@@ -199,7 +199,7 @@ async def drive(url: str, model: str, workload: Workload, max_tokens: int) -> tu
 
 
 def replica_command(model: str, port: int, events_port: int, args) -> list[str]:
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}"}
     return [sys.executable, "-m", "microvllm", "serve", model, "--port", str(port), "--uvicorn-log-level", "warning",
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--num-kv-blocks", str(args.num_kv_blocks),

@@ -20,6 +20,7 @@ still being sent (or free it twice).
 
 from __future__ import annotations
 
+import logging
 import random
 
 from microvllm.checks.report import Case, CheckFailure, CheckResult, not_implemented_message, run_checks
@@ -333,7 +334,18 @@ def run_kv_tier_with(plan_kv_load, release_finished_sends, *, quiet: bool = Fals
         with _quiet():
             llm = LLM(folder, block_size=8, num_kv_blocks=20, max_num_seqs=2, kv_transfer_config=tier,
                       debug_invariants=True)
-        tokens = [list(out.outputs[0].token_ids) for p in prompts for out in llm.generate([p], params, use_tqdm=False)]
+        # A connector call that raises fails its request (fault isolation), quietly here:
+        # the first such error is re-raised, so that the report names the learner's bug.
+        isolation_log = logging.getLogger("microvllm.core.scheduler_kv_connector")
+        level, isolation_log.level = isolation_log.level, logging.CRITICAL
+        try:
+            outs = [out for p in prompts for out in llm.generate([p], params, use_tqdm=False)]
+        finally:
+            isolation_log.setLevel(level)
+        errors = [out.error for out in outs if out.error is not None]
+        if errors:
+            raise RuntimeError(errors[0])
+        tokens = [list(out.outputs[0].token_ids) for out in outs]
         engine = llm.llm_engine
         return tokens, engine.prefix_cache_hits, engine.scheduler.connector.num_blocks_loaded
 

@@ -95,6 +95,12 @@ def release_finished_sends(kv_sending: dict[str, T], finished_sending: Iterable[
     ### END SOLUTION
 
 
+class KVConnectorContractError(ValueError):
+    """A connector broke the seam's contract (an offer of partial blocks, or a load the
+    request would not wait for): a bug in the connector, raised to the caller, never
+    isolated as one request's fault."""
+
+
 class KVConnectorScheduling:
     """Mixed into ``Scheduler``: every call to the connector's scheduler side. Each method
     is a no-op path unless ``self.connector`` is set (the scheduler checks first)."""
@@ -130,6 +136,8 @@ class KVConnectorScheduling:
         Its blocks go back; the engine reports it (``take_connector_failures``)."""
         try:
             return self._start_kv_load(request)
+        except KVConnectorContractError:
+            raise   # the connector's own bug, the same for every request: say so loudly
         except Exception as error:  # noqa: BLE001 - any connector error is that request's
             logger.error("the KV connector failed for request %r; the request fails, the engine goes on",
                          request.request_id, exc_info=error)
@@ -156,12 +164,12 @@ class KVConnectorScheduling:
         if num_external <= 0:
             return False
         if not load_async:
-            raise ValueError(
+            raise KVConnectorContractError(
                 f"the KV connector offered {num_external} tokens for request {request.request_id!r} with "
                 "load_async=False: microvllm loads between steps only, so a request with blocks to load must "
                 "wait for them (load_async=True); scheduling it now would compute on blocks not loaded yet")
         if num_local + num_external >= request.num_tokens or num_external % kv.block_size:
-            raise ValueError(
+            raise KVConnectorContractError(
                 f"the KV connector offered {num_external} tokens past {num_local} for request "
                 f"{request.request_id!r} ({request.num_tokens} tokens): it must offer whole blocks and "
                 "leave the last token to be computed")

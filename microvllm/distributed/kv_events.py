@@ -9,7 +9,16 @@ one batch; a thread encodes it with msgspec and sends it on a ZMQ PUB socket::
                                                                    |
         PUB  endpoint           [topic, seq (8 bytes, big-endian), msgpack(KVEventBatch)]
         ROUTER replay_endpoint  request [start seq]  ->  [seq, payload] per buffered
-                                batch from start seq on, then [-1 (8 bytes, signed), b""]
+                                batch from start seq on (at most REPLAY_MAX_BATCHES),
+                                then [-1 (8 bytes, signed), b""]
+
+Both sockets are for the machine's router, not the world: a ``BlockStored`` event carries
+the prompt's token ids, so whoever reads the stream reads every user's prompt. The
+default endpoint is loopback (``tcp://127.0.0.1:5557``; vLLM's is ``tcp://*:5557``), a
+wildcard bind logs a warning, the replay buffer keeps 1,000 batches (vLLM: 10,000) and
+one replay request gets at most ``REPLAY_MAX_BATCHES`` of them: the oldest from its start
+seq on, so a client that needs more asks again from the last seq it got + 1 (vLLM's
+clients read until the end marker, so they work unchanged).
 
     KVEventBatch  array_like:  [ts, [event, ...], data_parallel_rank]
     event         a map tagged by class name, no defaults sent:
@@ -55,6 +64,11 @@ logger = logging.getLogger(__name__)
 # A block hash as routers get it: vLLM's int (low 64 bits) or, with ints off, the digest.
 ExternalBlockHash = bytes | int
 MEDIUM_GPU = core_events.MEDIUM_GPU
+
+# The most batches one replay request is answered with (vLLM: no limit). A subscriber
+# that missed more asks again from the last seq it got + 1.
+REPLAY_MAX_BATCHES = 200
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
 
 # ------------------------------------------------------------------ the structs
@@ -153,12 +167,15 @@ class ZmqEventPublisher(EventPublisher):
     """
 
     SHUTDOWN_TIMEOUT: float = 1.0
+    REPLAY_REQUESTS_PER_TURN = 16
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-    def __init__(self, data_parallel_rank: int = 0, endpoint: str = "tcp://*:5557",
-                 replay_endpoint: str | None = None, buffer_steps: int = 10_000, hwm: int = 100_000,
-                 max_queue_size: int = 100_000, topic: str = "") -> None:
+    def __init__(self, data_parallel_rank: int = 0, endpoint: str = "tcp://127.0.0.1:5557",
+                 replay_endpoint: str | None = None, buffer_steps: int = 1_000, hwm: int = 100_000,
+                 max_queue_size: int = 100_000, topic: str = "",
+                 replay_max_batches: int = REPLAY_MAX_BATCHES) -> None:
         super().__init__(data_parallel_rank)
+        self._replay_max_batches = replay_max_batches
         self._event_queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
@@ -174,15 +191,17 @@ class ZmqEventPublisher(EventPublisher):
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.set_hwm(hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            # vLLM's rule: bind a wildcard or local address, connect to anything else.
-            if any(mark in self._endpoint for mark in ("*", "::")) or \
-                    self._endpoint.startswith(("ipc://", "inproc://")):
+            # vLLM's rule (bind a wildcard or local address, connect to anything else),
+            # plus: a loopback address binds (our default).
+            if binds(self._endpoint):
+                warn_if_wildcard(self._endpoint, "endpoint")
                 self._pub.bind(self._endpoint)
             else:
                 self._pub.connect(self._endpoint)
             if self._replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                warn_if_wildcard(self._replay_endpoint, "replay_endpoint")
                 self._replay.bind(self._replay_endpoint)
         except zmq.ZMQError as error:
             self._close_sockets()
@@ -229,7 +248,12 @@ class ZmqEventPublisher(EventPublisher):
         encoder = msgspec.msgpack.Encoder()
         assert self._pub is not None
         while True:
-            if self._replay is not None and self._replay.poll(0):
+            # Up to REPLAY_REQUESTS_PER_TURN waiting requests, then the next batch: a flood
+            # of requests (each answered with at most replay_max_batches) delays the stream
+            # by a bounded amount, and a malformed one costs next to nothing.
+            for _ in range(self.REPLAY_REQUESTS_PER_TURN):
+                if self._replay is None or not self._replay.poll(0):
+                    break
                 try:
                     self._service_replay()
                 except Exception:   # a bad request must not stop the stream
@@ -250,19 +274,69 @@ class ZmqEventPublisher(EventPublisher):
                 time.sleep(0.1)
 
     def _service_replay(self) -> None:
-        """[identity, b"", start seq] -> every buffered [seq, payload] from start seq on,
-        then the end marker [-1, b""] (each reply prefixed by identity and b"")."""
+        """[identity, b"", start seq] -> the buffered [seq, payload] from start seq on, at
+        most ``replay_max_batches`` of them (the oldest first), then the end marker
+        [-1, b""] (each reply prefixed by identity and b""). A request of another shape
+        is dropped with a debug line (it comes from the network: no warning per request)."""
         assert self._replay is not None
         frames = self._replay.recv_multipart()
-        if len(frames) != 3:
-            logger.warning("invalid KV event replay request of %d frames (want 3)", len(frames))
+        if len(frames) != 3 or len(frames[2]) > 8:
+            logger.debug("invalid KV event replay request of %d frames (want 3: id, b'', 8-byte seq)", len(frames))
             return
         client_id, _, start_seq_bytes = frames
         start_seq = int.from_bytes(start_seq_bytes, "big")
+        sent = 0
         for seq, payload in list(self._buffer):
+            if sent >= self._replay_max_batches:
+                break
             if seq >= start_seq:
                 self._replay.send_multipart((client_id, b"", seq.to_bytes(8, "big"), payload))
+                sent += 1
         self._replay.send_multipart((client_id, b"", self.END_SEQ, b""))
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint (``[::1]`` keeps its brackets); None for
+    any other transport."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, _ = endpoint.removeprefix("tcp://").rpartition(":")
+    return host.split(";")[-1]   # "tcp://SOURCE;HOST:PORT": the host after the source
+
+
+def is_wildcard(endpoint: str) -> bool:
+    """Whether a tcp endpoint binds every interface: ``*``, ``0.0.0.0``, ``::``."""
+    return endpoint_host(endpoint) in WILDCARD_HOSTS
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether a tcp endpoint's host is 127.x.x.x or ``::1``."""
+    host = endpoint_host(endpoint)
+    if host is None:
+        return False
+    import ipaddress
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: a PUB endpoint with "*" or "::", or ipc:// / inproc://, is bound, any
+    other connected (to a subscriber that binds); ours also binds a loopback one."""
+    return any(mark in endpoint for mark in ("*", "::")) or endpoint.startswith(("ipc://", "inproc://")) \
+        or is_wildcard(endpoint) or is_loopback(endpoint)
+
+
+def warn_if_wildcard(endpoint: str, name: str) -> None:
+    """A wildcard bind puts every user's prompt on every interface: say so, and what to set."""
+    if is_wildcard(endpoint):
+        logger.warning(
+            "kv_events_config %s=%r binds every network interface: anyone who can reach this port reads "
+            "the token ids of every user's prompt (BlockStored events)%s. Set it to tcp://127.0.0.1:PORT "
+            "(the default) unless a router on another host subscribes, and then let only that host in "
+            "(a firewall)", name, endpoint,
+            ", and can ask for the past batches" if name == "replay_endpoint" else "")
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:

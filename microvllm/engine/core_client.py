@@ -31,6 +31,8 @@ import itertools
 import logging
 import os
 import pickle
+import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -56,6 +58,7 @@ from microvllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0   # every core loads its model copy
+SOCKET_DIR_PREFIX = "microvllm-dp-"   # + the API server's pid + "-" + random: the IPC sockets' folder
 WAITING_WEIGHT = 4          # vLLM's: score = waiting * 4 + running
 
 # Errors a core reports by name, raised here as the same kind (a 400, a 500, ...).
@@ -129,8 +132,10 @@ class DPAsyncLLM(EngineClient):
         events = self.engine.config.kv_events_config
         if events is not None and events.enable_kv_cache_events and events.endpoint.startswith("ipc://"):
             raise ValueError(f"kv_events_config endpoint {events.endpoint!r}: with data_parallel_size={size} "
-                             "every core would bind that one path; use tcp://*:PORT (core r publishes on "
-                             "PORT + r, as vLLM's do)")
+                             "every core would bind that one path; use tcp://127.0.0.1:PORT (core r publishes "
+                             "on PORT + r, as vLLM's do; tcp://*:PORT for a router on another host)")
+        if events is not None and events.enable_kv_cache_events:
+            check_event_ports(events.endpoint, events.replay_endpoint, size)
         self.metrics = _DPMetrics(self)
         self.dead_error: BaseException | None = None
         self._stopping = threading.Event()
@@ -139,7 +144,10 @@ class DPAsyncLLM(EngineClient):
         self._lock = threading.Lock()   # _streams, the cores' counts and the input socket
         self.tokenizer_threads = new_tokenizer_threads()   # tokenizing here: no core needed
         # The cores connect to us: ROUTER (a message to core i is addressed "core-i"), PULL.
-        self._socket_dir = tempfile.mkdtemp(prefix="microvllm-dp-")
+        # The folder's name holds our pid: removed at shutdown, or (after kill -9, when
+        # nothing of ours can run) by the next server that finds that pid dead.
+        remove_stale_socket_dirs()
+        self._socket_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         input_address = f"ipc://{self._socket_dir}/input"
         output_address = f"ipc://{self._socket_dir}/output"
         self._context = zmq.Context()
@@ -244,6 +252,7 @@ class DPAsyncLLM(EngineClient):
         self.dead_error = self.dead_error or EngineDeadError("the engine was shut down")
         self.tokenizer_threads.shutdown(wait=False, cancel_futures=True)
         self._context.destroy(linger=0)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     # ------------------------------------------------------------ the cores
     def _send(self, core: CoreState, message: tuple) -> None:
@@ -332,6 +341,83 @@ class DPAsyncLLM(EngineClient):
                 loop.call_soon_threadsafe(outputs.put_nowait, error)
             except RuntimeError:
                 pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process: alive
+        return True
+    return True
+
+
+def _bound_unix_paths() -> set[str]:
+    """The paths of the unix sockets bound in this network namespace (``/proc/net/unix``)."""
+    try:
+        with open("/proc/net/unix") as table:
+            return {fields[7] for fields in (line.split() for line in table.readlines()[1:]) if len(fields) >= 8}
+    except OSError:
+        return set()
+
+
+def remove_stale_socket_dirs(root: str | None = None) -> list[str]:
+    """Remove the socket folders of data-parallel servers that died without cleaning up
+    (``kill -9``): ``microvllm-dp-<pid>-*`` folders of this user in the temp folder whose
+    pid is dead and none of whose sockets is still bound. Returns the removed paths."""
+    root = root or tempfile.gettempdir()
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return []
+    bound = None
+    removed = []
+    for name in entries:
+        if not name.startswith(SOCKET_DIR_PREFIX):
+            continue
+        pid_text = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue   # a folder of an older version (no pid), or a live server's
+        path = os.path.join(root, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        bound = _bound_unix_paths() if bound is None else bound
+        if any(os.path.join(path, socket) in bound for socket in ("input", "output")):
+            continue   # its pid is of another pid namespace, and it still serves
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.info("removed %d socket folder(s) left by data-parallel servers that were killed: %s",
+                    len(removed), ", ".join(removed))
+    return removed
+
+
+def _tcp_port(endpoint: str | None) -> int | None:
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return None
+    try:
+        return int(endpoint.rpartition(":")[2])
+    except ValueError:
+        return None
+
+
+def check_event_ports(endpoint: str, replay_endpoint: str | None, size: int) -> None:
+    """Core r publishes on the endpoint's port + r and serves replay on the replay
+    endpoint's port + r: the two ranges must not overlap (5557 and 5558 with two cores:
+    core 1's events would take core 0's replay port)."""
+    pub, replay = _tcp_port(endpoint), _tcp_port(replay_endpoint)
+    if pub is None or replay is None:
+        return
+    if set(range(pub, pub + size)) & set(range(replay, replay + size)):
+        raise ValueError(
+            f"kv_events_config: with data_parallel_size={size} core r publishes on port {pub} + r and "
+            f"answers replay on port {replay} + r, and these overlap: give the replay_endpoint a port of at "
+            f"least {pub + size} (e.g. tcp://127.0.0.1:{pub + size})")
 
 
 class _DPMetrics:

@@ -9,6 +9,7 @@
     wait_for_save()                        blocks leave the KV cache
     get_finished(plan.finished_req_ids) -> KVConnectorOutput(finished_sending, finished_recving)
     get_failed_recving()                   -> KVConnectorOutput.failed_recving (compute instead)
+    get_failed_sending()                   -> KVConnectorOutput.failed_sending (freed, not saved)
     clear_connector_metadata()
 
 A step with no tokens to compute (only loads or saves) still runs all of it.
@@ -43,5 +44,6 @@ def kv_connector_step(connector: KVConnectorBase, scheduler_output, kv_caches: l
         connector.wait_for_save()
         output.finished_sending, output.finished_recving = connector.get_finished(scheduler_output.finished_req_ids)
         output.failed_recving = connector.get_failed_recving()
+        output.failed_sending = connector.get_failed_sending()
     finally:
         connector.clear_connector_metadata()

@@ -5,9 +5,11 @@ pool's prefix cache exactly, step by step, through evictions and a reset."""
 from __future__ import annotations
 
 import gc
+import logging
 import shutil
 import tempfile
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -17,6 +19,7 @@ zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
 from microvllm import LLM, SamplingParams  # noqa: E402
+from microvllm.bench.hostile_events_tier import listening_addresses  # noqa: E402
 from microvllm.config import KVEventsConfig  # noqa: E402
 from microvllm.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from microvllm.engine.arg_utils import EngineArgs  # noqa: E402
@@ -325,3 +328,81 @@ def test_data_parallel_rank_offsets_the_port_and_tags_its_batches(model, context
     llm.shutdown()
     with pytest.raises(ValueError, match="data_parallel_rank"):
         LLM(str(model), data_parallel_size=2, data_parallel_rank=2)
+
+
+# ------------------------------------------------------------ exposure (a hostile client)
+def test_the_default_endpoint_binds_loopback_only_and_a_wildcard_logs_a_warning(context, caplog):
+    from microvllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+    from tests.entrypoints.test_openai_server import free_port
+
+    port, replay_port = free_port(), free_port()
+    with caplog.at_level(logging.WARNING):
+        publisher = ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{port}",
+                                      replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv")
+    try:
+        assert not [r for r in caplog.records if "network interface" in r.getMessage()]
+        assert listening_addresses(port) == {"127.0.0.1"} and listening_addresses(replay_port) == {"127.0.0.1"}
+        sub = subscribe(context, f"tcp://127.0.0.1:{port}")   # bound (vLLM's rule would connect)
+        sub.setsockopt(zmq.RCVTIMEO, 100)
+        for _ in range(50):
+            publisher.publish(KVEventBatch(ts=0.0, events=[]))
+            try:
+                assert sub.recv_multipart()[0] == b"kv"
+                break
+            except zmq.Again:
+                continue
+        else:
+            raise AssertionError("nothing arrived on the loopback endpoint")
+    finally:
+        publisher.shutdown()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        publisher = ZmqEventPublisher(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://0.0.0.0:{replay_port}")
+    publisher.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if "network interface" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert all("token ids of every user's prompt" in w and "tcp://127.0.0.1:PORT" in w for w in warnings)
+    assert "past batches" in warnings[1]
+
+
+def test_one_replay_request_gets_at_most_the_cap_and_the_rest_by_asking_again(context):
+    """An attacker asking for everything gets REPLAY_MAX_BATCHES batches; a client that
+    asks again from the last seq + 1 gets the rest, in order (vLLM's end marker each time)."""
+    from microvllm.distributed.kv_events import REPLAY_MAX_BATCHES, KVEventBatch, ZmqEventPublisher
+    from tests.entrypoints.test_openai_server import free_port
+
+    replay_port = free_port()
+    publisher = ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{free_port()}",
+                                  replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+    total = 2 * REPLAY_MAX_BATCHES + 50
+    for _ in range(total):
+        publisher.publish(KVEventBatch(ts=0.0, events=[]))
+    deadline = time.monotonic() + 10
+    while len(publisher._buffer) < total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    replay = context.socket(zmq.DEALER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    replay.connect(f"tcp://127.0.0.1:{replay_port}")
+
+    def ask(start_seq):
+        replay.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        got = []
+        while True:
+            _, seq, payload = replay.recv_multipart()
+            seq = int.from_bytes(seq, "big", signed=True)
+            if seq == -1:
+                return got
+            got.append(seq)
+
+    try:
+        first = ask(0)
+        assert first == list(range(REPLAY_MAX_BATCHES))
+        assert REPLAY_MAX_BATCHES == 200 and KVEventsConfig().buffer_steps == 1_000   # vLLM: no cap, 10,000
+        second = ask(first[-1] + 1)
+        assert second == list(range(REPLAY_MAX_BATCHES, 2 * REPLAY_MAX_BATCHES))
+        assert ask(second[-1] + 1) == list(range(2 * REPLAY_MAX_BATCHES, total))
+        replay.send_multipart([b"", b"x" * 100])   # a malformed request: dropped, the stream goes on
+        assert ask(total - 1) == [total - 1]
+    finally:
+        publisher.shutdown()

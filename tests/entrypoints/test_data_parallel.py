@@ -11,7 +11,9 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -162,7 +164,7 @@ def test_a_request_a_core_refuses_is_a_400_with_the_cores_message(dp_server):
 
 
 def test_each_core_publishes_its_kv_events_on_port_plus_its_rank(tmp_path):
-    """With KV events on, core r binds the endpoint's port + r and tags its batches with r:
+    """With KV events on, core r binds the endpoint's port + r (loopback: our default) and tags its batches with r:
     a router subscribes to each core as vLLM's routers subscribe to vLLM's DP ranks."""
     zmq = pytest.importorskip("zmq")
     import msgspec
@@ -174,7 +176,7 @@ def test_each_core_publishes_its_kv_events_on_port_plus_its_rank(tmp_path):
     while not _port_free(port + 1):
         port = free_port()
     folder = make_tiny_model(tmp_path / "llama", "llama", seed=5)
-    config = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}", "topic": "kv"}}'
+    config = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{port}", "topic": "kv"}}'
     server = Server(folder, tmp_path / "server.log",
                     flags=[*SETTINGS, "--data-parallel-size", "2", "--kv-events-config", config])
     context = zmq.Context()
@@ -217,3 +219,47 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def test_stale_socket_folders_of_dead_servers_are_removed_and_no_other(tmp_path):
+    from microvllm.engine.core_client import remove_stale_socket_dirs
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"microvllm-dp-{gone.pid}-abc123"
+    live = tmp_path / f"microvllm-dp-{os.getpid()}-def456"
+    legacy = tmp_path / "microvllm-dp-k2j3h4"   # an older version's name: no pid, left alone
+    for folder in (stale, live, legacy):
+        folder.mkdir()
+        (folder / "input").write_text("")
+    assert remove_stale_socket_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and legacy.exists()
+
+
+def test_the_socket_folder_goes_at_sigterm_and_a_killed_servers_at_the_next_start(monkeypatch):
+    """The API server's IPC socket folder (``microvllm-dp-<pid>-*``) is removed when it stops
+    (SIGTERM); one left by a server killed with -9 (its pid dead) by the next one to start."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="mvdp", dir="/tmp"))   # short: ipc paths are limited to ~100 chars
+    monkeypatch.setenv("TMPDIR", str(root))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    killed = root / f"microvllm-dp-{gone.pid}-x1y2z3"   # as a kill -9 leaves it
+    killed.mkdir()
+    (killed / "input").write_text("")
+    folder = make_tiny_model(root / "llama", "llama", seed=5)
+    server = Server(folder, root / "server.log", flags=[*SETTINGS, "--data-parallel-size", "2"])
+    try:
+        wait_for(server.healthy, STARTUP_TIMEOUT, "the data-parallel server's /health")
+        assert not killed.exists(), "the dead server's folder is removed at start"
+        own = [p.name for p in root.glob(f"microvllm-dp-{server.process.pid}-*")]
+        assert len(own) == 1 and (root / own[0] / "input").is_socket(), own
+        assert complete(server.url, server.folder, "hello", max_tokens=2)["choices"]
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0
+        assert not list(root.glob("microvllm-dp-*")), list(root.iterdir())
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -360,7 +360,8 @@ def test_a_trickling_producer_is_cut_off_at_the_load_deadline(cluster):
     try:
         started = time.monotonic()
         request = threading.Thread(target=lambda: answers.append(complete(
-            servers["decode"].url, model, prompt, timeout=90, kv_transfer_params={**params, "remote_port": cluster.fake})))
+            servers["decode"].url, model, prompt, timeout=90,
+            kv_transfer_params={**params, "remote_port": cluster.fake})))
         request.start()
         # Loading its KV, the request is waiting (vLLM counts it so): a router sees a busy server.
         wait_for(lambda: servers["decode"].metrics().get("num_requests_waiting", 0) >= 1, 3, "a loading request")

@@ -1,7 +1,7 @@
 """The real vLLM router's ``kv_aware`` policy, fed by our KV cache events.
 
-    microvllm serve (replica 0) --PUB tcp://*:P0--+
-    microvllm serve (replica 1) --PUB tcp://*:P1--+--SUB--> vllm-router --policy kv_aware
+    microvllm serve (replica 0) --PUB tcp://127.0.0.1:P0--+
+    microvllm serve (replica 1) --PUB tcp://127.0.0.1:P1--+--SUB--> vllm-router --policy kv_aware
                                                             --kv-event-source URL0=tcp://127.0.0.1:P0 ...
 
 What the router does with the events (vllm-project/router's ``src/kv_index/wire.rs`` at
@@ -31,9 +31,11 @@ So neither vLLM's hash function, NONE_HASH, PYTHONHASHSEED nor our sha256 layout
 matters: the router needs only the token ids in ``BlockStored`` (we send them), the
 same tokenizer, the same block size, and an endpoint it can *connect* to. The one
 setting that matters: the router connects its SUB socket, so the replica's
-``endpoint`` must be one that binds (vLLM's rule: ``tcp://*:P``); ``tcp://127.0.0.1:P``
-would make our PUB connect too and no event would ever arrive (every decision then
-shows ``credited_prefix_tokens=0`` and the policy falls back to the least prefill cost).
+``endpoint`` must be one that binds: ``tcp://127.0.0.1:P`` (ours: a loopback address
+binds) or ``tcp://*:P`` (vLLM's rule; every interface). Under vLLM's rule alone
+``tcp://127.0.0.1:P`` would make the PUB connect too and no event would ever arrive (every
+decision then shows ``credited_prefix_tokens=0`` and the policy falls back to the least
+prefill cost).
 """
 
 import json
@@ -62,7 +64,7 @@ def cluster(tmp_path_factory):
     folder = make_tiny_model(root / "model", "llama", seed=3)
     ports = [free_port() for _ in range(2)]
     servers = [Server(folder, root / f"replica{i}.log", flags=[*SETTINGS, "--kv-events-config", json.dumps(
-        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})])
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"})])
         for i, port in enumerate(ports)]
     router = None
     try:

@@ -21,6 +21,7 @@ engine step they talk once, through the plan and back through the runner's outpu
                                                                 wait_for_save()   after the forward
                                        ModelRunnerOutput   <──  get_finished(finished_req_ids)
     update_from_output(..., kv_connector_output)                 -> finished_sending, finished_recving
+                                                                get_failed_recving(), get_failed_sending()
       update_connector_output(output)
       finished_recving: the request's loaded blocks are cached; it waits to be admitted
       finished_sending: the blocks of a finished request are freed now ("delayed free")
@@ -78,9 +79,14 @@ class KVConnectorOutput:
     # Loads that failed (vLLM: invalid_block_ids, kv_load_failure_policy "recompute"): the
     # scheduler frees those requests' blocks and they compute their prompt instead.
     failed_recving: set[str] | None = None
+    # Saves that failed (each also in finished_sending: its blocks are freed as usual); the
+    # connector's scheduler side must not count them as saved (OffloadingConnector: its
+    # tier is then off).
+    failed_sending: set[str] | None = None
 
     def is_empty(self) -> bool:
-        return not self.finished_sending and not self.finished_recving and not self.failed_recving
+        return not self.finished_sending and not self.finished_recving and not self.failed_recving \
+            and not self.failed_sending
 
 
 class KVConnectorBase(ABC):
@@ -140,7 +146,21 @@ class KVConnectorBase(ABC):
         compute their prompt instead (vLLM: ``get_block_ids_with_load_errors``)."""
         return None
 
+    def get_failed_sending(self) -> set[str] | None:
+        """Requests whose save failed since the last call (after ``get_finished``, which
+        reports them finished too: their blocks are freed, but nothing was saved)."""
+        return None
+
     # ========================================================= scheduler side
+    def check_request(self, kv_transfer_params: dict | None, prompt_token_ids: list[int]) -> None:
+        """Raise ``ValueError`` (a 400) for a request this connector must refuse before it
+        is queued: its ``kv_transfer_params`` (untrusted: from the request body) ask for
+        something the operator did not allow. Not in vLLM, which trusts them."""
+
+    def request_refused(self, kv_transfer_params: dict | None, prompt_token_ids: list[int] | None) -> None:
+        """A request carrying ``kv_transfer_params`` was refused before it was queued: let
+        a peer holding KV for it go (not in vLLM; its peers wait for their timeout)."""
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """How many tokens past ``num_computed_tokens`` (the local prefix hit, whole

@@ -35,6 +35,19 @@ twice the pool's blocks: that much more memory), ``dtype`` (default the cache's:
 exact), ``path`` (a file to memory-map; default in RAM). ``kv_role``: kv_both saves and
 loads; kv_producer only saves; kv_consumer only loads.
 
+The file (``file_store.py``): opened with ``O_NOFOLLOW`` (a symlink is refused), created
+0600 (an existing file of this user's is set to 0600 and reused), locked against a second
+engine, and its whole size reserved at start (``posix_fallocate``): a filesystem too small
+fails at construction with what to change, never with SIGBUS on a later save. With
+several tensor-parallel ranks or data-parallel cores each has its own file: ``path`` for
+the first, ``path.dp<d>.tp<t>`` for the others.
+
+A tier that fails is turned off, never the server: a save (or load) that raises logs one
+warning, the worker side skips every later copy, reports the failed save as finished (its
+blocks are freed) and in ``failed_sending`` (the scheduler side then forgets the store and
+offers nothing more), and any load still planned is reported failed: its request computes
+those tokens instead, with the same greedy tokens.
+
 The worker side copies synchronously: loads before the forward, saves right after it,
 both reported in the same step. So anything handed to the worker and not reported by the
 next ``build_connector_meta`` belongs to a step that failed, and is forgotten.
@@ -42,6 +55,7 @@ next ``build_connector_meta`` belongs to a step that failed, and is forgotten.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,6 +69,7 @@ from microvllm.distributed.kv_transfer.kv_connector.base import (
     KVConnectorOutput,
     KVConnectorRole,
 )
+from microvllm.distributed.kv_transfer.kv_connector.file_store import StoreFile, open_store_file
 
 if TYPE_CHECKING:
     from microvllm.config import EngineConfig
@@ -62,6 +77,8 @@ if TYPE_CHECKING:
     from microvllm.core.kv_cache_spec import KVCacheSpec
     from microvllm.core.request import Request
     from microvllm.core.sched_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 # (block ids in the pool, slots in the store), the same length: block_ids[i] <-> slots[i]
 Transfer = tuple[tuple[int, ...], tuple[int, ...]]
@@ -119,11 +136,12 @@ class OffloadingConnector(KVConnectorBase):
         self._stores_in_flight: dict[str, tuple[Transfer, tuple]] = {}
         # Counters for a learner or a benchmark: blocks loaded / saved, and lookups.
         self.num_blocks_loaded = self.num_blocks_saved = 0
+        self.disabled = False   # the worker side reported a failed save: the tier is off
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Whole blocks past the local hit whose hashes the store holds, in a row; never the
         block holding the last token (it is computed, for the logits). O(blocks)."""
-        if not self.kv_transfer_config.is_kv_consumer:
+        if not self.kv_transfer_config.is_kv_consumer or self.disabled:
             return 0, False
         plan = scheduler_kv_connector.plan_kv_load(request.block_hashes, request.num_tokens, num_computed_tokens,
                                                    self.block_size, self.stored)   # exercise 19
@@ -154,7 +172,20 @@ class OffloadingConnector(KVConnectorBase):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Loads done: their slots may be evicted again. Saves done: their hashes are in
-        the store (only now: a half-written slot is never offered)."""
+        the store (only now: a half-written slot is never offered). A failed save: the
+        worker turned the tier off (as does a failed load: it fails loads only when off),
+        so this side forgets the store and offers nothing more."""
+        if (connector_output.failed_sending or connector_output.failed_recving) and not self.disabled:
+            self.disabled = True
+            self.stored.clear()
+            self.pending_hashes.clear()
+            self.free_slots = []
+        for request_id in connector_output.failed_sending or ():
+            self._stores_in_flight.pop(request_id, None)   # finished (blocks freed), never stored
+        for request_id in connector_output.failed_recving or ():   # computed instead
+            transfer = self._loads_in_flight.pop(request_id, None)
+            if transfer is not None:
+                self.slot_readers.subtract(transfer[1])
         for request_id in connector_output.finished_recving or ():
             transfer = self._loads_in_flight.pop(request_id, None)
             if transfer is not None:
@@ -162,7 +193,7 @@ class OffloadingConnector(KVConnectorBase):
                 self.num_blocks_loaded += len(transfer[1])
         for request_id in connector_output.finished_sending or ():
             entry = self._stores_in_flight.pop(request_id, None)
-            if entry is None:
+            if entry is None or self.disabled:
                 continue
             (_, slots), hashes = entry
             for block_hash, slot in zip(hashes, slots):
@@ -176,7 +207,7 @@ class OffloadingConnector(KVConnectorBase):
         if load is not None:
             self.slot_readers.subtract(load[1])
         self._matched.pop(request.request_id, None)
-        if not self.kv_transfer_config.is_kv_producer:
+        if not self.kv_transfer_config.is_kv_producer or self.disabled:
             return False, None
         num_full = min(request.num_computed_tokens // self.block_size, len(block_ids[0]))
         blocks, slots, hashes = [], [], []
@@ -222,8 +253,12 @@ class OffloadingConnector(KVConnectorBase):
     def _init_worker_side(self) -> None:
         self.kv_caches: list[torch.Tensor] = []
         self.store: list[torch.Tensor] = []   # per layer [2, num_slots, block_size, heads, head_dim]
+        self.store_file: StoreFile | None = None   # the "path" tier's open, reserved file
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
+        self._failed_sending: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self.failed: BaseException | None = None   # the error that turned the tier off
 
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         """Allocate the store beside the cache: RAM (or ``path``, memory-mapped), in the
@@ -237,10 +272,44 @@ class OffloadingConnector(KVConnectorBase):
         for size in shape:
             per_layer *= size
         if "path" in extra:
-            flat = torch.from_file(str(extra["path"]), shared=True, size=per_layer * len(kv_caches), dtype=dtype)
+            numel = per_layer * len(kv_caches)
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            self.store_file = open_store_file(self._store_path(str(extra["path"])), nbytes)
+            flat = torch.frombuffer(self.store_file.mapping, dtype=dtype, count=numel)
         else:
             flat = torch.zeros(per_layer * len(kv_caches), dtype=dtype)
         self.store = [flat[i * per_layer:(i + 1) * per_layer].view(shape) for i in range(len(kv_caches))]
+
+    def _store_path(self, path: str) -> str:
+        """``path`` for the first rank of every kind; ``path.dp<d>.tp<t>`` for the others
+        (each rank keeps its own KV heads, each data-parallel core its own blocks)."""
+        from microvllm.distributed.parallel_state import get_tp_group
+
+        parallel = self.config.parallel_config
+        dp_rank, tp_rank = parallel.data_parallel_rank, get_tp_group().rank_in_group
+        return path if dp_rank == 0 and tp_rank == 0 else f"{path}.dp{dp_rank}.tp{tp_rank}"
+
+    def _turn_off(self, what: str, error: BaseException) -> None:
+        """The one warning; every later copy is skipped."""
+        if self.failed is None:
+            self.failed = error
+            where = f" ({self.store_file.path})" if self.store_file is not None else ""
+            logger.warning("the OffloadingConnector's KV tier%s failed to %s (%s: %s): the tier is off from now "
+                           "on and the server goes on without it (prompts it held are computed again); "
+                           "restart with a kv_connector_extra_config path on a filesystem with room, or "
+                           "without kv_transfer_config", where, what, type(error).__name__, error)
+
+    def _copy_to_store(self, block_ids: tuple[int, ...], slots: tuple[int, ...]) -> None:
+        """cache -> store, every layer (the save)."""
+        for kv_cache, store in zip(self.kv_caches, self.store):
+            ids = torch.tensor(block_ids, device=kv_cache.device)
+            store[:, list(slots)] = kv_cache[:, ids].to(device=store.device, dtype=store.dtype)
+
+    def _copy_from_store(self, block_ids: tuple[int, ...], slots: tuple[int, ...]) -> None:
+        """store -> cache, every layer (the load)."""
+        for kv_cache, store in zip(self.kv_caches, self.store):
+            ids = torch.tensor(block_ids, device=kv_cache.device)
+            kv_cache[:, ids] = store[:, list(slots)].to(device=kv_cache.device, dtype=kv_cache.dtype)
 
     def _metadata(self) -> OffloadingConnectorMetadata:
         metadata = self._get_connector_metadata()
@@ -250,21 +319,41 @@ class OffloadingConnector(KVConnectorBase):
         """Copy this step's loads, store -> cache, every layer, before the forward. What a
         failed step left in the finished sets is dropped: its scheduler side forgot it."""
         self._finished_sending, self._finished_recving = set(), set()
+        self._failed_sending, self._failed_recving = set(), set()
         for request_id, (block_ids, slots) in self._metadata().reqs_to_load.items():
-            for kv_cache, store in zip(self.kv_caches, self.store):
-                ids = torch.tensor(block_ids, device=kv_cache.device)
-                kv_cache[:, ids] = store[:, list(slots)].to(device=kv_cache.device, dtype=kv_cache.dtype)
-            self._finished_recving.add(request_id)
+            if self.failed is None:
+                try:
+                    self._copy_from_store(block_ids, slots)
+                except Exception as error:  # noqa: BLE001 - the tier goes, not the server
+                    self._turn_off("load", error)
+            if self.failed is None:
+                self._finished_recving.add(request_id)
+            else:   # the tier is off: the request computes these tokens instead
+                self._failed_recving.add(request_id)
 
     def wait_for_save(self) -> None:
-        """Copy this step's saves, cache -> store, every layer, after the forward."""
+        """Copy this step's saves, cache -> store, every layer, after the forward. A save
+        that fails turns the tier off; it (and every later one) is reported finished, so
+        the blocks are freed, and failed, so the scheduler side does not count it stored."""
         for request_id, (block_ids, slots) in self._metadata().reqs_to_store.items():
-            for kv_cache, store in zip(self.kv_caches, self.store):
-                ids = torch.tensor(block_ids, device=kv_cache.device)
-                store[:, list(slots)] = kv_cache[:, ids].to(device=store.device, dtype=store.dtype)
+            if self.failed is None:
+                try:
+                    self._copy_to_store(block_ids, slots)
+                except Exception as error:  # noqa: BLE001 - the tier goes, not the server
+                    self._turn_off("save", error)
             self._finished_sending.add(request_id)
+            if self.failed is not None:
+                self._failed_sending.add(request_id)
 
     def get_finished(self, finished_req_ids: frozenset[str] | set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self._finished_sending or None, self._finished_recving or None
         self._finished_sending, self._finished_recving = set(), set()
         return sending, recving
+
+    def get_failed_recving(self) -> set[str] | None:
+        failed, self._failed_recving = self._failed_recving or None, set()
+        return failed
+
+    def get_failed_sending(self) -> set[str] | None:
+        failed, self._failed_sending = self._failed_sending or None, set()
+        return failed
