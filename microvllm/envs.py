@@ -10,6 +10,9 @@
                        the grammar cache (default here 64; vLLM's is 512)
     VLLM_MAX_N_SEQUENCES     vLLM's name: the largest ``n`` the server accepts (default
                        here 64; vLLM's is 16384)
+    VLLM_SERVER_DEV_MODE     vLLM's name: 1 adds the server's development endpoints
+                       (``POST /reset_prefix_cache``); off by default, as any client could
+                       otherwise empty every user's prefix cache
 
 Each is read when it is used, not at import, so a notebook or a test can set it first.
 """
@@ -70,3 +73,8 @@ def xgrammar_cache_bytes() -> int:
 def max_n_sequences() -> int:
     """``$VLLM_MAX_N_SEQUENCES`` (default 64): the largest ``n`` a server request may ask for."""
     return int(os.environ.get("VLLM_MAX_N_SEQUENCES", "64"))
+
+
+def server_dev_mode() -> bool:
+    """``$VLLM_SERVER_DEV_MODE`` is 1: the server's development endpoints are on."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"

@@ -38,7 +38,7 @@ LAYERS = [
     {"engine"},
     {"llm"},
     {"entrypoints", "router"},       # the OpenAI server over AsyncLLM; the course router over N engines
-    {"viz", "checks", "course", "bench", "cli", "collect_env", "__main__", ""},   # "": the package's __init__
+    {"viz", "checks", "course", "bench", "testing", "cli", "collect_env", "__main__", ""},   # "": the __init__
 ]
 
 

@@ -35,64 +35,22 @@ import threading
 import time
 from pathlib import Path
 
+from microvllm.testing import ServeProcess
+from microvllm.testing.server import rss_mb
+
 CHAT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServeProcess):
+    """``microvllm serve`` for the hostile sets: ``ServeProcess`` plus the memory of its
+    grammar-compile workers and its KV usage."""
 
+    def __init__(self, model: str | None, flags: list[str], log: Path, port: int | None = None):
+        super().__init__(model, log, flags, port)
 
-def free_ports(count: int) -> list[int]:
-    """``count`` different free ports: each socket stays bound until all are chosen (one
-    ``free_port()`` after another may be handed the same port twice)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-class Server:
-    def __init__(self, model: str | None, flags: list[str], log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log, "w")
-        command = [sys.executable, "-m", "microvllm", "serve", *([model] if model else []), "--port", str(self.port),
-                   "--uvicorn-log-level", "warning", *flags]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_healthy(self, timeout: float = 300) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"the server exited with status {self.process.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit("the server did not become healthy")
-
-    def rss_mb(self) -> tuple[float, float]:
+    def memory_mb(self) -> tuple[float, float]:
         """(the server process's RSS, its compile workers' RSS together) in MB."""
-        def rss(pid: int) -> float:
-            try:
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024
-            except OSError:
-                pass
-            return 0.0
-
-        return rss(self.process.pid), sum(rss(pid) for pid in compile_worker_pids(self.process.pid))
+        return self.rss_mb(), sum(rss_mb(pid) for pid in compile_worker_pids(self.process.pid))
 
     def kv_usage(self) -> float:
         import httpx
@@ -100,12 +58,6 @@ class Server:
         text = httpx.get(self.url + "/metrics", timeout=10).text
         match = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)
         return float(match.group(1)) if match else float("nan")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(30)
-        self.log.close()
 
 
 def compile_worker_pids(server_pid: int) -> set[int]:
@@ -275,7 +227,7 @@ def server_set(args: argparse.Namespace, logs: Path) -> None:
         send(server.url, *attacks(True)[3][1][0])            # warm-up: the compile worker, a big grammar
         send(server.url, "POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8})
         reference = greedy_text(server.url)
-        rss_warm = server.rss_mb()
+        rss_warm = server.memory_mb()
         stream = Stream(server.url)
         time.sleep(3)
         base = stream.gaps_between(time.monotonic() - 3, time.monotonic())
@@ -304,7 +256,7 @@ def server_set(args: argparse.Namespace, logs: Path) -> None:
 
         health = httpx.get(server.url + "/health", timeout=10).status_code
         same = greedy_text(server.url) == reference
-        rss_after = server.rss_mb()
+        rss_after = server.memory_mb()
         print(f"\nafter the set: /health {health}; greedy text as before the set: {same}; "
               f"KV usage when idle: {server.kv_usage():.3f}")
         print(f"RSS, server process: {rss_warm[0]:.0f} MB after warm-up, {rss_after[0]:.0f} MB after the set "

@@ -39,8 +39,9 @@ import threading
 import time
 from pathlib import Path
 
-from microvllm.bench.hostile import CHAT, Server, Stream, free_ports, send
+from microvllm.bench.hostile import CHAT, Server, Stream, send
 from microvllm.distributed.kv_events import REPLAY_MAX_BATCHES
+from microvllm.testing import free_ports
 
 TMPFS_MB = 32
 TIER_BLOCKS = 16          # the embedded model's 16-token blocks: about 12 MB in float32
@@ -265,7 +266,7 @@ def run(model: str | None, logs: Path, quick: bool) -> bool:
         num_words = words_per_prompt(server.url)
         in_batches(server.url, long_prompts(10, "warm-up", num_words), 2)
         reference = greedy_text(server.url)
-        rss_warm = server.rss_mb()[0]
+        rss_warm = server.rss_mb()
         stream = ResponseStream(server.url)
         time.sleep(3)
         base = stream.gaps_between(time.monotonic() - 3, time.monotonic()) or [0.0]
@@ -301,7 +302,7 @@ def run(model: str | None, logs: Path, quick: bool) -> bool:
         alive = server.process.poll() is None
         health = httpx.get(server.url + "/health", timeout=10).status_code if alive else None
         same = alive and greedy_text(server.url) == reference
-        rss_after = server.rss_mb()[0]
+        rss_after = server.rss_mb()
         growth = rss_after / rss_warm - 1 if rss_warm else float("nan")
         print(f"\nafter the set: server alive: {alive} (/health {health}); greedy text as before the set: {same}")
         print(f"RSS, server process: {rss_warm:.0f} MB after warm-up, {rss_after:.0f} MB after the set "

@@ -33,7 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from microvllm.bench.hostile import Server, Stream, free_ports, send
+from microvllm.bench.hostile import Server, Stream, send
+from microvllm.testing import free_ports
 
 VICTIM = ("I bought a kettle last week and it arrived broken, the handle came off on the first day and the "
           "lid does not close; can I have my money back, and how long does a refund take?")
@@ -230,7 +231,7 @@ def run(model: str | None, logs: Path, quick: bool) -> bool:
         send(pair.decode.url, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                               "max_tokens": 8})
         reference = pair.complete(pair.decode, VICTIM, max_tokens=24)[1]["choices"][0]["text"]
-        rss_start = {name: server.rss_mb()[0] for name, server in (("prefill", pair.prefill), ("decode", pair.decode))}
+        rss_start = {name: server.rss_mb() for name, server in (("prefill", pair.prefill), ("decode", pair.decode))}
         stream = Stream(pair.decode.url)
         time.sleep(3)
         print(f"{'P/D attack':34} {'answers':44} {'largest gap':>12} {'median gap':>11}")
@@ -247,7 +248,7 @@ def run(model: str | None, logs: Path, quick: bool) -> bool:
                   for name, server in (("prefill", pair.prefill), ("decode", pair.decode))}
         same = pair.complete(pair.decode, VICTIM, max_tokens=24)[1]["choices"][0]["text"] == reference
         unpoisoned = all(pair.same_as_colocated(p) for p in (VICTIM, VICTIM + " again", SLOW))
-        rss_end = {name: server.rss_mb()[0] for name, server in (("prefill", pair.prefill), ("decode", pair.decode))}
+        rss_end = {name: server.rss_mb() for name, server in (("prefill", pair.prefill), ("decode", pair.decode))}
         growth = {name: rss_end[name] / rss_start[name] - 1 for name in rss_start}
         print(f"\nafter the P/D set: /health {health}; the decode side's greedy text as before: {same}; "
               f"attacked prompts answered as colocated: {unpoisoned}")

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from microvllm.bench.hostile import CHAT, Server, Stream, free_ports, greedy_text, send
+from microvllm.bench.hostile import CHAT, Server, Stream, greedy_text, send
+from microvllm.testing import free_ports, start_process, stop_process, wait_healthy
+from microvllm.testing.server import rss_mb
 
 REPLICA_FLAGS = ["--max-num-seqs", "16", "--shutdown-timeout", "1"]
 KILL_ATTACK = "stream's replica killed, restarted"
@@ -37,27 +37,21 @@ class Replica(Server):
     """``hostile.Server`` on a port chosen here: a killed replica comes back on its own port."""
 
     def __init__(self, model: str | None, port: int, log: Path):
-        super().__init__(model, [*REPLICA_FLAGS, "--port", str(port)], log)   # the last --port wins
-        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        super().__init__(model, REPLICA_FLAGS, log, port)
 
 
 class Proxy:
     """``python -m microvllm.router.http_proxy`` in front of ``replicas``."""
 
     def __init__(self, folder: str, replicas: list[str], port: int, log: Path):
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log, "w")
+        self.url, self.log_path = f"http://127.0.0.1:{port}", log
         command = [sys.executable, "-m", "microvllm.router.http_proxy", "--model", folder, "--port", str(port)]
         for url in replicas:
             command += ["--replica", url]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = start_process(command, log)
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.alive():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the proxy did not start: see {self.log.name}")
-            time.sleep(0.2)
+        wait_healthy(self.url, self.process, self.log_path, timeout)
 
     def alive(self) -> bool:
         import httpx
@@ -73,19 +67,10 @@ class Proxy:
         return httpx.get(self.url + "/router/stats", timeout=10).json()
 
     def rss_mb(self) -> float:
-        try:
-            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
+        return rss_mb(self.process.pid)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(30)
-        self.log.close()
+        stop_process(self.process, term_timeout=0)
 
 
 # ---- the attacks: each returns its answers, in words --------------------------------------

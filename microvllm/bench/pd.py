@@ -50,9 +50,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from microvllm.bench.hostile import free_port
 from microvllm.bench.roofline import cpu_description
-from microvllm.bench.router import WORDS, percentile, resolve_model, start, stop, vllm_router_binary, wait_healthy
+from microvllm.bench.router import WORDS, percentile, resolve_model
+from microvllm.testing import free_port, start_process, stop_process, vllm_router_binary, wait_healthy
 
 
 # ------------------------------------------------------------------ the pair's command lines
@@ -251,7 +251,7 @@ def run_arm(arm: str, model: str, workload: Workload, args: argparse.Namespace, 
         for name, (flags, core) in sides.items():
             port = free_port()
             urls[name] = f"http://127.0.0.1:{port}"
-            processes.append(start(pinned(serve_command(model, port, args, flags), core), logs / f"{name}.log"))
+            processes.append(start_process(pinned(serve_command(model, port, args, flags), core), logs / f"{name}.log"))
         for (name, url), process in zip(urls.items(), processes):
             wait_healthy(url, process, logs / f"{name}.log", args.startup_timeout)
         url = urls.get("colocated", "")
@@ -262,7 +262,7 @@ def run_arm(arm: str, model: str, workload: Workload, args: argparse.Namespace, 
             else:
                 command = [router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", url, "--policy",
                            "round_robin", "--prometheus-port", str(free_port()), "--log-level", "warning"]
-            processes.append(start(pinned(command, placement.front), logs / f"{arm}_router.log"))
+            processes.append(start_process(pinned(command, placement.front), logs / f"{arm}_router.log"))
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, processes[-1], logs / f"{arm}_router.log", 60)
         asyncio.run(drive(url, model, workload, args, result))
@@ -270,7 +270,7 @@ def run_arm(arm: str, model: str, workload: Workload, args: argparse.Namespace, 
         result.error = f"{type(error).__name__}: {error}"[:500]
     finally:
         for process in reversed(processes):
-            stop(process)
+            stop_process(process, term_timeout=10)
     return result
 
 

@@ -33,10 +33,7 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from microvllm.bench.hostile import free_port, free_ports
+from microvllm.testing import free_port, free_ports, start_process, stop_process, vllm_router_binary, wait_healthy
 
 VLLM_ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware", "kv_aware")
 COURSE_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_events")
@@ -56,49 +53,6 @@ WORDS = ("cache", "block", "token", "replica", "router", "prefix", "queue", "bat
 
 
 # ------------------------------------------------------------------ processes
-def vllm_router_binary() -> str | None:
-    found = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-    return found if Path(found).is_file() else None
-
-
-def start(command: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the process group, SIGKILL it after 10 s; bounded."""
-    if process.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited ({process.returncode}):\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=3).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} was not healthy within {timeout:.0f} s; its log: {log}")
-
-
 def counters(url: str) -> dict[str, float]:
     """The sums of the ``vllm:`` counters this bench reads from one replica's /metrics."""
     import httpx
@@ -246,10 +200,11 @@ def run_policy_once(name: str, model: str, workload: Workload, args, logs: Path)
         events = [f"tcp://127.0.0.1:{p}" for p in event_ports]
         replica_logs = [logs / f"{tag}_replica{i}.log" for i in range(2)]
         for i in range(2):
-            processes.append(start(replica_command(model, ports[i], event_ports[i], args), replica_logs[i]))
+            processes.append(start_process(replica_command(model, ports[i], event_ports[i], args), replica_logs[i]))
         for i, url in enumerate(replicas):
             wait_healthy(url, processes[i], replica_logs[i], args.startup_timeout)
-        processes.append(start(front_command(front, policy, port, replicas, events, model, args), logs / f"{tag}.log"))
+        processes.append(start_process(front_command(front, policy, port, replicas, events, model, args),
+                                       logs / f"{tag}.log"))
         wait_healthy(f"http://127.0.0.1:{port}", processes[-1], logs / f"{tag}.log", 60)
         time.sleep(0.5)   # the KV event subscribers connect (a PUB drops what it sends before)
         before = [counters(url) for url in replicas]
@@ -277,7 +232,7 @@ def run_policy_once(name: str, model: str, workload: Workload, args, logs: Path)
         result.error = f"{type(error).__name__}: {error}"[:500]
     finally:
         for process in reversed(processes):
-            stop(process)
+            stop_process(process, term_timeout=10)
     return result
 
 

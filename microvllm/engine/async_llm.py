@@ -238,6 +238,13 @@ class AsyncLLM(EngineClient):
                 self._compile_workers.cancel_all()
         self._commands.put(("abort_all", None, None))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash, on the engine's thread (vLLM's
+        ``/reset_prefix_cache``); False while blocks are in use (nothing changed)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("reset_prefix_cache", None, done))
+        return await asyncio.wrap_future(done)
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort everything in flight, stop the engine-core thread and wait for it; kill
         whatever grammar is compiling."""
@@ -301,6 +308,8 @@ class AsyncLLM(EngineClient):
                     future.set_exception(error)
             elif kind == "abort":
                 self._abort(payload)
+            elif kind == "reset_prefix_cache" and future.set_running_or_notify_cancel():
+                future.set_result(self.engine.reset_prefix_cache())
             elif kind == "abort_all":
                 with self._lock:
                     request_ids = list(self._streams)

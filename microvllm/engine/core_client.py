@@ -233,6 +233,14 @@ class DPAsyncLLM(EngineClient):
             for core in self.cores:
                 self._send(core, ("abort_all",))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Ask every core to forget its cached block hashes (each does when it reads the
+        message: the answer says it was asked, not that it is done)."""
+        with self._lock:
+            for core in self.cores:
+                self._send(core, ("reset_prefix_cache",))
+        return True
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop every core (each aborts what is left first), then the sockets. Idempotent."""
         if self._stopping.is_set():

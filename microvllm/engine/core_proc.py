@@ -10,7 +10,7 @@ them). The API server's ``DPAsyncLLM`` (``core_client.py``) talks to each over Z
     API server process                              engine core process i
     ──────────────────                              ─────────────────────
     DPAsyncLLM ── ROUTER ─ ("generate", id, prompt, params) ─> DEALER ─> AsyncLLM.generate
-                         ─ ("abort", id) / ("abort_all",) / ("shutdown",)
+                         ─ ("abort", id) / ("abort_all",) / ("reset_prefix_cache",) / ("shutdown",)
                <─ PULL ─── ("output", id, RequestOutput) ───── PUSH  (every step it moves)
                            ("error", id, kind, message)               (a refused or failed request)
                            ("stats", i, accepted, waiting, running, metrics text or None)
@@ -93,6 +93,8 @@ class DPEngineCoreProc:
                         task.cancel()   # AsyncLLM.generate's cleanup aborts it: its blocks are freed
                 elif kind == "abort_all":
                     self.llm.abort_all()
+                elif kind == "reset_prefix_cache":
+                    asyncio.create_task(self.llm.reset_prefix_cache())
                 elif kind == "shutdown":
                     return
         finally:

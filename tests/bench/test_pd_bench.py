@@ -8,7 +8,7 @@ import json
 import pytest
 
 from microvllm.bench.pd import main
-from microvllm.bench.router import vllm_router_binary
+from microvllm.testing import vllm_router_binary
 
 pytestmark = [
     pytest.mark.multiprocess,

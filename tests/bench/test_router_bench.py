@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from microvllm.bench.router import ALL_POLICIES, COURSE_POLICIES, VLLM_ROUTER_POLICIES, main, vllm_router_binary
+from microvllm.bench.router import ALL_POLICIES, COURSE_POLICIES, VLLM_ROUTER_POLICIES, main
+from microvllm.testing import vllm_router_binary
 
 pytestmark = [
     pytest.mark.multiprocess,

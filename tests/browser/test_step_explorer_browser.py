@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from microvllm.testing import free_port
 from microvllm.viz.demo import demo_trace
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -52,12 +52,6 @@ if os.environ.get("CI"):
     from playwright.sync_api import sync_playwright
 else:
     sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> set[tuple[int, str]]:

@@ -302,7 +302,7 @@ def test_the_cli_flag_parses_json():
 def test_data_parallel_rank_offsets_the_port_and_tags_its_batches(model, context):
     """Replica r of a data-parallel deployment publishes on port + r (vLLM's rule), so N
     engines on one machine do not fight over one port, and says which rank it is."""
-    from tests.entrypoints.test_openai_server import free_port
+    from tests.support import free_port
 
     port = free_port()
     while True:   # port + 1 must be free too
@@ -333,7 +333,7 @@ def test_data_parallel_rank_offsets_the_port_and_tags_its_batches(model, context
 # ------------------------------------------------------------ exposure (a hostile client)
 def test_the_default_endpoint_binds_loopback_only_and_a_wildcard_logs_a_warning(context, caplog):
     from microvllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
-    from tests.entrypoints.test_openai_server import free_port
+    from tests.support import free_port
 
     port, replay_port = free_port(), free_port()
     with caplog.at_level(logging.WARNING):
@@ -369,7 +369,7 @@ def test_one_replay_request_gets_at_most_the_cap_and_the_rest_by_asking_again(co
     """An attacker asking for everything gets REPLAY_MAX_BATCHES batches; a client that
     asks again from the last seq + 1 gets the rest, in order (vLLM's end marker each time)."""
     from microvllm.distributed.kv_events import REPLAY_MAX_BATCHES, KVEventBatch, ZmqEventPublisher
-    from tests.entrypoints.test_openai_server import free_port
+    from tests.support import free_port
 
     replay_port = free_port()
     publisher = ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{free_port()}",

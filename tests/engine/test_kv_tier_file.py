@@ -125,7 +125,7 @@ def test_serve_with_a_tier_larger_than_its_filesystem_refuses_to_start_with_the_
     started on a sparse file and died of SIGBUS on the first save past 10 MB)."""
     import json
 
-    from tests.entrypoints.test_openai_server import ROOT, free_port
+    from tests.support import ROOT, free_port
 
     config = json.dumps(tier(small_fs / "tier.bin", num_cpu_blocks=20_000))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

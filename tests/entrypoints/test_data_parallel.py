@@ -20,7 +20,7 @@ import pytest
 
 from microvllm import LLM
 from microvllm.models.tiny import make_tiny_model
-from tests.entrypoints.test_openai_server import LLM_SETTINGS, SETTINGS, STARTUP_TIMEOUT, Server, wait_for
+from tests.support import LLM_SETTINGS, SETTINGS, STARTUP_TIMEOUT, Server, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -170,7 +170,7 @@ def test_each_core_publishes_its_kv_events_on_port_plus_its_rank(tmp_path):
     import msgspec
 
     from microvllm.distributed.kv_events import KVEventBatch
-    from tests.entrypoints.test_openai_server import free_port
+    from tests.support import free_port
 
     port = free_port()
     while not _port_free(port + 1):

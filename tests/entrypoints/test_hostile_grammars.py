@@ -26,8 +26,7 @@ from microvllm.engine.async_llm import AsyncLLM
 from microvllm.entrypoints.openai import api_server
 from microvllm.entrypoints.openai.api_server import build_app
 from microvllm.models.tiny import make_tiny_model
-from tests.entrypoints.test_hostile_traffic import ThreadServer, assert_400
-from tests.entrypoints.test_openai_server import Server, wait_for
+from tests.support import Server, ThreadServer, assert_400, wait_for
 
 pytest.importorskip("xgrammar")
 

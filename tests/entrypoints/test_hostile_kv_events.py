@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
+from microvllm.bench.hostile_events_tier import listening_addresses
 from microvllm.models.tiny import make_tiny_model
-from tests.engine.test_kv_events import listening_addresses
-from tests.entrypoints.test_openai_server import SETTINGS, STARTUP_TIMEOUT, Server, wait_for
+from tests.support import SETTINGS, STARTUP_TIMEOUT, Server, wait_for
 
 pytestmark = pytest.mark.multiprocess
 

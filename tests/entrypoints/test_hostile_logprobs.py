@@ -26,7 +26,7 @@ from microvllm.engine.outputs import CompletionOutput, Logprob
 from microvllm.entrypoints.openai.api_server import build_app
 from microvllm.entrypoints.openai.serving import LOGPROB_FLOOR, _chat_logprobs, _completion_logprobs, sse
 from microvllm.models.tiny import make_tiny_model
-from tests.entrypoints.test_hostile_traffic import ThreadServer, assert_400, healthy_and_serving
+from tests.support import ThreadServer, assert_400, healthy_and_serving
 
 pytest.importorskip("xgrammar")
 

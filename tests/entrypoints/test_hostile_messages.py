@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from microvllm.models.tiny import make_tiny_model
-from tests.entrypoints.test_openai_server import Server, wait_for
+from tests.support import Server, wait_for
 
 HEADER_TIMEOUT = BODY_TIMEOUT = 1.0
 MAX_BODY = 200_000

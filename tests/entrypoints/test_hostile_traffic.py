@@ -9,49 +9,22 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from microvllm import LLM, SamplingParams
 from microvllm.engine.async_llm import AsyncLLM
 from microvllm.entrypoints.openai.api_server import build_app
 from microvllm.executor.multiproc_executor import WorkerError
 from microvllm.models.tiny import make_tiny_model
+from tests.support import ThreadServer, assert_400, healthy_and_serving
 
 SETTINGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
 MARK = 0.777        # a request with this temperature fails in its first sampling step
 LATE_MARK = 0.778   # ... with this one, in its third
 API_KEY = "sk-test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ThreadServer:
-    """uvicorn serving ``app`` on a free port from a background thread."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -104,23 +77,6 @@ def reference(folder):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
-
-
-def healthy_and_serving(http) -> None:
-    assert http.get("/health").status_code == 200
-    ok = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0})
-    assert ok.status_code == 200, ok.text
-    assert len(ok.json()["choices"][0]["text"]) >= 0
-
-
-def assert_400(response, field: str | None, *words: str) -> None:
-    assert response.status_code == 400, (response.status_code, response.text)
-    error = response.json()["error"]
-    assert error["type"] == "BadRequestError" and error["code"] == 400
-    if field is not None:
-        assert field in error["message"], error
-    for word in words:
-        assert word in error["message"], error
 
 
 VOCAB = 512

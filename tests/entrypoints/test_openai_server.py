@@ -10,12 +10,10 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -24,65 +22,7 @@ import pytest
 from microvllm import LLM, SamplingParams
 from microvllm.bench.serve import benchmark, random_prompts
 from microvllm.models.tiny import make_tiny_model
-
-ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = ["--max-model-len", "1024", "--max-num-seqs", "16", "--max-num-batched-tokens", "128",
-            "--shutdown-timeout", "1"]
-LLM_SETTINGS = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=128)
-STARTUP_TIMEOUT = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-class Server:
-    def __init__(self, folder: Path, log: Path, flags: list[str] = SETTINGS, port: int | None = None):
-        self.folder, self.port = str(folder), port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        self.log = open(log, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "microvllm", "serve", self.folder, "--port", str(self.port),
-             "--uvicorn-log-level", "warning", *flags],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        self.log_path = log
-
-    def healthy(self) -> bool:
-        assert self.process.poll() is None, f"the server exited:\n{self.log_path.read_text()[-3000:]}"
-        try:
-            return httpx.get(self.url + "/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        values = {}
-        for line in text.splitlines():
-            match = re.match(r"vllm:(\w+)\{([^}]*)\} (\S+)$", line)
-            if match and "le=" not in match.group(2):
-                name = match.group(1)
-                reason = re.search(r'finished_reason="(\w+)"', match.group(2))
-                values[f"{name}:{reason.group(1)}" if reason else name] = float(match.group(3))
-        return values
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(30)
-        self.log.close()
+from tests.support import LLM_SETTINGS, ROOT, STARTUP_TIMEOUT, Server, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from microvllm.engine.async_llm import AsyncLLM
 from microvllm.entrypoints.openai.api_server import build_app
 from microvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from microvllm.models.tiny import make_tiny_model
-from tests.entrypoints.test_hostile_traffic import ThreadServer
+from tests.support import ThreadServer
 
 SETTINGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
 PROMPT = "the quick brown fox"
@@ -142,3 +142,23 @@ def test_serve_takes_the_tokenizer_info_flag():
     parser = build_parser()
     assert parser.parse_args(["serve"]).enable_tokenizer_info_endpoint is False
     assert parser.parse_args(["serve", "--enable-tokenizer-info-endpoint"]).enable_tokenizer_info_endpoint is True
+
+
+# ------------------------------------------------------- /reset_prefix_cache (VLLM_SERVER_DEV_MODE)
+def test_reset_prefix_cache_is_a_development_endpoint_only(engine, monkeypatch):
+    """Off by default (any client could empty every user's cache: a 404); with
+    VLLM_SERVER_DEV_MODE=1 a test that shares a server can start cold: the next identical
+    prompt has no prefix hit."""
+    # (no lifespan: its end would shut down the module's engine)
+    assert TestClient(build_app(engine, "tiny")).post("/reset_prefix_cache").status_code == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    client = TestClient(build_app(engine, "tiny"))
+    body = {"prompt": PROMPT * 8, "max_tokens": 1, "temperature": 0}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    hits = engine.engine.prefix_cache_hits
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert engine.engine.prefix_cache_hits > hits                   # cached: a hit
+    assert client.post("/reset_prefix_cache").status_code == 200
+    hits = engine.engine.prefix_cache_hits
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert engine.engine.prefix_cache_hits == hits                  # forgotten: no hit

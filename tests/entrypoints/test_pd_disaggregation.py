@@ -21,13 +21,12 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from microvllm.bench.hostile import free_ports
 from microvllm.bench.hostile_pd import FakeProducer, client_digest, forge_kv, send_raw, trickle
 from microvllm.bench.pd import p2p_flags, pd_router_command
 from microvllm.distributed.kv_transfer.kv_connector.p2p_protocol import prompt_digest
 from microvllm.models.tiny import make_tiny_model
-from tests.entrypoints.test_openai_server import SETTINGS, Server, free_port, wait_for
-from tests.entrypoints.test_vllm_router import ROUTER
+from microvllm.testing import free_ports
+from tests.support import ROUTER, SETTINGS, Server, free_port, wait_for
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -12,7 +12,7 @@ import pytest
 
 from microvllm.engine.async_llm import AsyncLLM
 from microvllm.entrypoints.openai.api_server import build_app
-from tests.entrypoints.test_hostile_traffic import ThreadServer
+from tests.support import ThreadServer
 
 pytest.importorskip("xgrammar")
 

@@ -10,10 +10,8 @@ Which replica served what is read from each replica's ``/metrics`` (vLLM's names
 poll against a deadline; every process is stopped by the fixtures.
 """
 
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,9 +19,8 @@ import httpx
 import pytest
 
 from microvllm.models.tiny import make_tiny_model
-from tests.entrypoints.test_openai_server import Server, free_port, wait_for
+from tests.support import ROUTER, Server, free_port, wait_for
 
-ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.skipif(not Path(ROUTER).is_file(),

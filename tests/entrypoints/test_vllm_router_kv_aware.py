@@ -46,8 +46,8 @@ import httpx
 import pytest
 
 from microvllm.models.tiny import make_tiny_model
-from tests.entrypoints.test_openai_server import SETTINGS, Server, free_port, wait_for
 from tests.entrypoints.test_vllm_router import ROUTER, Router, counter
+from tests.support import SETTINGS, Server, free_port, wait_for
 
 pytestmark = [
     pytest.mark.multiprocess,

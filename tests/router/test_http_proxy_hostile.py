@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from microvllm.bench.hostile import free_ports
 from microvllm.models.tiny import make_tiny_model
-from tests.entrypoints.test_openai_server import ROOT, STARTUP_TIMEOUT, Server, wait_for
+from microvllm.testing import free_ports
+from tests.support import ROOT, STARTUP_TIMEOUT, Server, wait_for
 
 pytestmark = pytest.mark.multiprocess
 

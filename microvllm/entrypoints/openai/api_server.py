@@ -46,10 +46,11 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from microvllm import envs
 from microvllm.engine.arg_utils import EngineArgs
 from microvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from microvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -279,6 +280,14 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await respond(request, raw_request, serving.create_chat_completion)
+
+    if envs.server_dev_mode():   # vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1)
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            """Forget every cached block (tests sharing one server start cold): 200 when done,
+            409 while blocks are in use."""
+            reset = await engine.reset_prefix_cache()
+            return Response(status_code=200 if reset else 409)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
