@@ -29,9 +29,10 @@ class Server(ServeProcess):
     """``microvllm serve FOLDER`` with the tests' limits (``SETTINGS``) unless ``flags`` are
     given, importing this checkout's package (``PYTHONPATH``), development endpoints on."""
 
-    def __init__(self, folder: Path | str, log: Path, flags: list[str] = SETTINGS, port: int | None = None):
-        super().__init__(folder, log, flags, port, env={"PYTHONPATH": str(ROOT), "VLLM_SERVER_DEV_MODE": "1"},
-                         cwd=ROOT)
+    def __init__(self, folder: Path | str, log: Path, flags: list[str] = SETTINGS, port: int | None = None,
+                 env: dict[str, str] | None = None):
+        super().__init__(folder, log, flags, port, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "VLLM_SERVER_DEV_MODE": "1", **(env or {})})
         self.folder = str(folder)
 
 

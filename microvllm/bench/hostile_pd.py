@@ -57,7 +57,7 @@ def send_raw(sock: socket.socket, message: dict) -> None:
 
 class FakeProducer:
     """A listener on 127.0.0.1:``port`` playing a producer: ``behaviour(sock, ask)`` answers
-    each read it is sent (``accepted``: the connections it got)."""
+    each read it is sent (``accepted``: the connections it got; ``asks``: their messages)."""
 
     def __init__(self, port: int, behaviour: Callable[[socket.socket, dict], None]) -> None:
         self.sock = socket.socket()
@@ -65,6 +65,7 @@ class FakeProducer:
         self.sock.bind(("127.0.0.1", port))
         self.sock.listen(8)
         self.accepted: list[socket.socket] = []
+        self.asks: list[dict] = []    # what each connection asked ("read" or "release")
         self.behaviour = behaviour
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -80,7 +81,9 @@ class FakeProducer:
     def _one(self, conn: socket.socket) -> None:
         try:
             size = int.from_bytes(conn.recv(4), "little")
-            self.behaviour(conn, json.loads(conn.recv(size)))
+            ask = json.loads(conn.recv(size))
+            self.asks.append(ask)
+            self.behaviour(conn, ask)
         except (OSError, ValueError):
             pass
 

@@ -17,9 +17,11 @@ each shared by many short questions; every request is one prefix (chosen at rand
 seeded) plus a question of its own. Each replica gets ``--num-kv-blocks`` sized to hold
 about half of the prefixes, so all of them overflow one replica's cache but fit in two:
 a policy that sends each prefix to one replica keeps it cached, one that spreads every
-prefix over both evicts and recomputes. Replicas are restarted for every policy (cold
-caches); each runs with OMP_NUM_THREADS=1 and publishes its KV events (``tcp://127.0.0.1:PORT``)
-for the two policies that read them.
+prefix over both evicts and recomputes. The two replicas start once; before each policy
+their prefix caches are emptied (``POST /reset_prefix_cache``, vLLM's development endpoint:
+``VLLM_SERVER_DEV_MODE=1``) and only the front is started anew, so every policy starts
+cold. Each replica runs with OMP_NUM_THREADS=1 and publishes its KV events
+(``tcp://127.0.0.1:PORT``) for the two policies that read them.
 
 Per policy: the prefix-cache hit rate (``vllm:prefix_cache_hits`` / ``queries`` deltas on
 the replicas' ``/metrics``), TTFT p50 / p99 (client-side, to the first streamed chunk),
@@ -41,7 +43,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from microvllm.testing import free_port, free_ports, start_process, stop_process, vllm_router_binary, wait_healthy
+from microvllm.testing import (
+    free_port,
+    free_ports,
+    start_process,
+    stop_process,
+    vllm_router_binary,
+    wait_for,
+    wait_healthy,
+)
 
 VLLM_ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware", "kv_aware")
 COURSE_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_events")
@@ -179,38 +189,69 @@ def front_command(front: str, policy: str, port: int, replicas: list[str], event
     return command
 
 
-def run_policy(name: str, model: str, workload: Workload, args, logs: Path) -> PolicyResult:
-    """One policy's run; run again once if a process could not bind its port (another
+@dataclass
+class Replicas:
+    """The two replicas every policy is measured on (started once)."""
+
+    urls: list[str]
+    events: list[str]                 # their KV event endpoints
+    processes: list[subprocess.Popen]
+
+    def reset_prefix_caches(self, timeout: float = 60.0) -> None:
+        """Empty both prefix caches (a 409 while a block is still in use: asked again)."""
+        import httpx
+
+        for url in self.urls:
+            wait_for(lambda url=url: httpx.post(url + "/reset_prefix_cache", timeout=30).status_code == 200,
+                     timeout, f"{url} to empty its prefix cache", interval=0.5)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            stop_process(process, term_timeout=10)
+
+
+def start_replicas(model: str, args, logs: Path) -> Replicas:
+    chosen = free_ports(4)   # taken together: one call after another may repeat a port
+    ports, event_ports = chosen[:2], chosen[2:]
+    replicas = Replicas([f"http://127.0.0.1:{p}" for p in ports], [f"tcp://127.0.0.1:{p}" for p in event_ports], [])
+    replica_logs = [logs / f"replica{i}.log" for i in range(2)]
+    try:
+        for i in range(2):
+            replicas.processes.append(start_process(replica_command(model, ports[i], event_ports[i], args),
+                                                    replica_logs[i], env={"VLLM_SERVER_DEV_MODE": "1"}))
+        for i, url in enumerate(replicas.urls):
+            wait_healthy(url, replicas.processes[i], replica_logs[i], args.startup_timeout)
+    except BaseException:
+        replicas.stop()
+        raise
+    return replicas
+
+
+def run_policy(name: str, model: str, workload: Workload, args, logs: Path, replicas: Replicas) -> PolicyResult:
+    """One policy's run; run again once if its front could not bind its port (another
     program took it between our choice and its bind: a race no choice of port avoids)."""
-    result = run_policy_once(name, model, workload, args, logs)
+    result = run_policy_once(name, model, workload, args, logs, replicas)
     if "Address already in use" in result.error:
-        result = run_policy_once(name, model, workload, args, logs)
+        result = run_policy_once(name, model, workload, args, logs, replicas)
     return result
 
 
-def run_policy_once(name: str, model: str, workload: Workload, args, logs: Path) -> PolicyResult:
+def run_policy_once(name: str, model: str, workload: Workload, args, logs: Path, replicas: Replicas) -> PolicyResult:
     front, _, policy = name.partition(":")
     result = PolicyResult(front, policy, requests=len(workload.prompts))
-    processes: list[subprocess.Popen] = []
     tag = name.replace(":", "_")
+    process = None
     try:
-        chosen = free_ports(5)   # two replicas' HTTP ports, their KV event ports, the front's
-        ports, event_ports, port = chosen[:2], chosen[2:4], chosen[4]
-        replicas = [f"http://127.0.0.1:{p}" for p in ports]
-        events = [f"tcp://127.0.0.1:{p}" for p in event_ports]
-        replica_logs = [logs / f"{tag}_replica{i}.log" for i in range(2)]
-        for i in range(2):
-            processes.append(start_process(replica_command(model, ports[i], event_ports[i], args), replica_logs[i]))
-        for i, url in enumerate(replicas):
-            wait_healthy(url, processes[i], replica_logs[i], args.startup_timeout)
-        processes.append(start_process(front_command(front, policy, port, replicas, events, model, args),
-                                       logs / f"{tag}.log"))
-        wait_healthy(f"http://127.0.0.1:{port}", processes[-1], logs / f"{tag}.log", 60)
+        replicas.reset_prefix_caches()   # every policy starts cold
+        port = free_port()
+        process = start_process(front_command(front, policy, port, replicas.urls, replicas.events, model, args),
+                                logs / f"{tag}.log")
+        wait_healthy(f"http://127.0.0.1:{port}", process, logs / f"{tag}.log", 60)
         time.sleep(0.5)   # the KV event subscribers connect (a PUB drops what it sends before)
-        before = [counters(url) for url in replicas]
+        before = [counters(url) for url in replicas.urls]
         results, wall = asyncio.run(drive(f"http://127.0.0.1:{port}", model, workload, args.max_tokens))
         time.sleep(0.2)
-        after = [counters(url) for url in replicas]
+        after = [counters(url) for url in replicas.urls]
         delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
         ok = [r for r in results if r.ok]
         errors = sorted({r.error for r in results if not r.ok})
@@ -231,7 +272,7 @@ def run_policy_once(name: str, model: str, workload: Workload, args, logs: Path)
     except Exception as error:  # noqa: BLE001 - one policy failing is reported, the others still run
         result.error = f"{type(error).__name__}: {error}"[:500]
     finally:
-        for process in reversed(processes):
+        if process is not None:
             stop_process(process, term_timeout=10)
     return result
 
@@ -318,10 +359,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.num_requests} requests at {args.request_rate}/s, {args.max_tokens} output tokens each; "
               f"2 replicas x {args.num_kv_blocks} KV blocks", flush=True)
         results = []
-        for name in args.policies:
-            started = time.monotonic()
-            results.append(run_policy(name, model, workload, args, logs))
-            print(f"  {name}: {time.monotonic() - started:.0f} s", flush=True)
+        replicas = start_replicas(model, args, logs)
+        try:
+            for name in args.policies:
+                started = time.monotonic()
+                results.append(run_policy(name, model, workload, args, logs, replicas))
+                print(f"  {name}: {time.monotonic() - started:.0f} s", flush=True)
+        finally:
+            replicas.stop()
     print(table(results))
     for front, better in (("vllm-router", "cache_aware"), ("vllm-router", "kv_aware"), ("course", "prefix_aware"),
                           ("course", "kv_events")):

@@ -457,7 +457,9 @@ class Engine:
     def _fail_connector_casualties(self) -> list[RequestOutput]:
         """Fail the requests whose KV connector call raised (``Scheduler._maybe_start_kv_load``):
         their caller hears why; their blocks are freed; the engine goes on."""
-        outputs = []
+        outputs: list[RequestOutput] = []
+        if self.scheduler.connector is None:
+            return outputs
         for child_id, why in self.scheduler.take_connector_failures().items():
             request_id = self.output_processor.parent_id(child_id)
             self.scheduler.finish_requests(self.output_processor.child_ids(request_id),

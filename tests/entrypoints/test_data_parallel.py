@@ -10,9 +10,12 @@ it) and no process is left behind.
 import asyncio
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,7 +23,7 @@ import pytest
 
 from microvllm import LLM
 from microvllm.models.tiny import make_tiny_model
-from tests.support import LLM_SETTINGS, SETTINGS, STARTUP_TIMEOUT, Server, wait_for
+from tests.support import LLM_SETTINGS, SETTINGS, STARTUP_TIMEOUT, Server, free_port, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -63,21 +66,40 @@ def alive(pid: int) -> bool:
         return False
 
 
+@dataclass
+class DPServer:
+    server: Server
+    url: str
+    folder: str
+    events_port: int      # core r publishes its KV events on events_port + r
+    root: Path            # the server's TMPDIR: its IPC socket folder lives there
+    killed: Path          # a socket folder as a server killed with -9 left it (its pid dead)
+
+
 @pytest.fixture(scope="module")
-def dp_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dp")
+def dp_server():
+    """One data-parallel server (two cores, KV events on) shared by the module's tests, which
+    only read from it; the last test stops it with SIGTERM. Its TMPDIR is short (IPC paths
+    are limited to ~100 characters) and holds a dead server's socket folder when it starts."""
+    root = Path(tempfile.mkdtemp(prefix="mvdp", dir="/tmp"))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    killed = root / f"microvllm-dp-{gone.pid}-x1y2z3"
+    killed.mkdir()
+    (killed / "input").write_text("")
     folder = make_tiny_model(root / "llama", "llama", seed=5)
-    server = Server(folder, root / "server.log", flags=[*SETTINGS, "--data-parallel-size", "2"])
+    events_port = free_port()
+    while not _port_free(events_port + 1):
+        events_port = free_port()
+    config = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{events_port}", "topic": "kv"}}'
+    server = Server(folder, root / "server.log", env={"TMPDIR": str(root)},
+                    flags=[*SETTINGS, "--data-parallel-size", "2", "--kv-events-config", config])
     try:
         wait_for(server.healthy, STARTUP_TIMEOUT, "the data-parallel server's /health")
-        cores = core_pids(server.process.pid)
-        yield server
-        # SIGTERM: the server stops gracefully, and its cores with it.
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(60) == 0
-        wait_for(lambda: not any(alive(p) for p in cores), 30, "the engine cores to exit after SIGTERM")
+        yield DPServer(server, server.url, server.folder, events_port, root, killed)
     finally:
         server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int = 10) -> dict:
@@ -163,25 +185,17 @@ def test_a_request_a_core_refuses_is_a_400_with_the_cores_message(dp_server):
     assert too_long.status_code == 400 and "max_model_len" in too_long.text, too_long.text
 
 
-def test_each_core_publishes_its_kv_events_on_port_plus_its_rank(tmp_path):
+def test_each_core_publishes_its_kv_events_on_port_plus_its_rank(dp_server):
     """With KV events on, core r binds the endpoint's port + r (loopback: our default) and tags its batches with r:
     a router subscribes to each core as vLLM's routers subscribe to vLLM's DP ranks."""
     zmq = pytest.importorskip("zmq")
     import msgspec
 
     from microvllm.distributed.kv_events import KVEventBatch
-    from tests.support import free_port
 
-    port = free_port()
-    while not _port_free(port + 1):
-        port = free_port()
-    folder = make_tiny_model(tmp_path / "llama", "llama", seed=5)
-    config = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{port}", "topic": "kv"}}'
-    server = Server(folder, tmp_path / "server.log",
-                    flags=[*SETTINGS, "--data-parallel-size", "2", "--kv-events-config", config])
+    port = dp_server.events_port
     context = zmq.Context()
     try:
-        wait_for(server.healthy, STARTUP_TIMEOUT, "the data-parallel server's /health")
         subs = []
         for rank in range(2):
             sub = context.socket(zmq.SUB)
@@ -194,7 +208,7 @@ def test_each_core_publishes_its_kv_events_on_port_plus_its_rank(tmp_path):
 
         def both_cores_published() -> bool:
             # Slow joiners miss the first batches: keep sending prompts until each core's arrive.
-            complete(server.url, server.folder, "tell me about block " + "hashes " * 20, max_tokens=2)
+            complete(dp_server.url, dp_server.folder, "tell me about block " + "hashes " * 20, max_tokens=2)
             for rank, sub in enumerate(subs):
                 try:
                     while True:
@@ -208,7 +222,6 @@ def test_each_core_publishes_its_kv_events_on_port_plus_its_rank(tmp_path):
         assert ranks_seen == {0: {0}, 1: {1}}, ranks_seen
     finally:
         context.destroy(linger=0)
-        server.stop()
 
 
 def _port_free(port: int) -> bool:
@@ -236,30 +249,20 @@ def test_stale_socket_folders_of_dead_servers_are_removed_and_no_other(tmp_path)
     assert not stale.exists() and live.exists() and legacy.exists()
 
 
-def test_the_socket_folder_goes_at_sigterm_and_a_killed_servers_at_the_next_start(monkeypatch):
-    """The API server's IPC socket folder (``microvllm-dp-<pid>-*``) is removed when it stops
-    (SIGTERM); one left by a server killed with -9 (its pid dead) by the next one to start."""
-    import shutil
-    import tempfile
+def test_a_killed_servers_socket_folder_is_removed_at_the_next_start(dp_server):
+    """The API server's IPC socket folder is ``microvllm-dp-<pid>-*``; one left by a server
+    killed with -9 (its pid dead) is removed by the next one to start."""
+    assert not dp_server.killed.exists(), "the dead server's folder is removed at start"
+    own = [p.name for p in dp_server.root.glob(f"microvllm-dp-{dp_server.server.process.pid}-*")]
+    assert len(own) == 1 and (dp_server.root / own[0] / "input").is_socket(), own
 
-    root = Path(tempfile.mkdtemp(prefix="mvdp", dir="/tmp"))   # short: ipc paths are limited to ~100 chars
-    monkeypatch.setenv("TMPDIR", str(root))
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    killed = root / f"microvllm-dp-{gone.pid}-x1y2z3"   # as a kill -9 leaves it
-    killed.mkdir()
-    (killed / "input").write_text("")
-    folder = make_tiny_model(root / "llama", "llama", seed=5)
-    server = Server(folder, root / "server.log", flags=[*SETTINGS, "--data-parallel-size", "2"])
-    try:
-        wait_for(server.healthy, STARTUP_TIMEOUT, "the data-parallel server's /health")
-        assert not killed.exists(), "the dead server's folder is removed at start"
-        own = [p.name for p in root.glob(f"microvllm-dp-{server.process.pid}-*")]
-        assert len(own) == 1 and (root / own[0] / "input").is_socket(), own
-        assert complete(server.url, server.folder, "hello", max_tokens=2)["choices"]
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(60) == 0
-        assert not list(root.glob("microvllm-dp-*")), list(root.iterdir())
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+
+# ---------------------------------------------------------------- last: it stops the shared server
+def test_sigterm_stops_the_cores_and_removes_the_socket_folder(dp_server):
+    server = dp_server.server
+    cores = core_pids(server.process.pid)
+    assert len(cores) == 2 and complete(dp_server.url, dp_server.folder, "hello", max_tokens=2)["choices"]
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(60) == 0
+    wait_for(lambda: not any(alive(p) for p in cores), 30, "the engine cores to exit after SIGTERM")
+    assert not list(dp_server.root.glob("microvllm-dp-*")), list(dp_server.root.iterdir())

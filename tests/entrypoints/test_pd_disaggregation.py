@@ -149,7 +149,7 @@ def test_vllm_router_drives_the_pair_with_the_colocated_tokens(cluster):
 
 def test_a_failed_load_recomputes_the_prompt_with_the_same_tokens(cluster):
     model, servers, _ = cluster
-    prompt = PROMPTS[3]
+    prompt = "failed load: " + PROMPTS[3]   # its own first block: nothing of it cached at the decode side
     want = complete(servers["colocated"].url, model, prompt)["choices"][0]["text"]
     params = prefill(servers, model, prompt)
     # An allowed producer address where nobody listens: the load is refused.
@@ -351,7 +351,7 @@ def test_a_trickling_producer_is_cut_off_at_the_load_deadline(cluster):
     """An allowed producer that answers, then sends one byte a second: the load ends at its
     deadline (load_timeout_s 3, the whole load), and the request is computed."""
     model, servers, _ = cluster
-    prompt = PROMPTS[3] + " trickle"
+    prompt = "trickle: " + PROMPTS[3]   # its own first block: the decode side has none of it cached
     params = prefill(servers, model, prompt)
 
     fake = FakeProducer(cluster.fake, trickle)
@@ -362,8 +362,10 @@ def test_a_trickling_producer_is_cut_off_at_the_load_deadline(cluster):
             servers["decode"].url, model, prompt, timeout=90,
             kv_transfer_params={**params, "remote_port": cluster.fake})))
         request.start()
-        # Loading its KV, the request is waiting (vLLM counts it so): a router sees a busy server.
-        wait_for(lambda: servers["decode"].metrics().get("num_requests_waiting", 0) >= 1, 3, "a loading request")
+        # Loading its KV (from the moment the fake producer is asked, for up to the 3 s deadline),
+        # the request is waiting, as vLLM counts it: a router sees a busy server, not an idle one.
+        wait_for(lambda: any(ask.get("op") == "read" for ask in fake.asks), 60, "the decode side to start loading")
+        wait_for(lambda: servers["decode"].metrics().get("num_requests_waiting", 0) >= 1, 2.5, "a loading request")
         request.join(90)
         took = time.monotonic() - started
         got = answers[0]
