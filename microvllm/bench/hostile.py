@@ -69,10 +69,13 @@ def compile_worker_pids(server_pid: int) -> set[int]:
 
 
 class Stream:
-    """One greedy chat stream after another; records when each token arrived."""
+    """One greedy chat stream after another; records when each token arrived and when each
+    response began. A gap is measured between two tokens of one response: the first token
+    of the next response waits for its prefill behind whatever is queued (that is
+    queueing, not a stall of the stream)."""
 
     def __init__(self, url: str):
-        self.url, self.times, self.stopped = url, [], threading.Event()
+        self.url, self.times, self.starts, self.stopped = url, [], [], threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
@@ -81,6 +84,7 @@ class Stream:
 
         body = {"messages": CHAT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
         while not self.stopped.is_set():
+            self.starts.append(time.monotonic())
             try:
                 with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as response:
                     for line in response.iter_lines():
@@ -93,7 +97,8 @@ class Stream:
 
     def gaps_between(self, start: float, end: float) -> list[float]:
         times = [t for t in list(self.times) if start <= t <= end]
-        return [b - a for a, b in zip(times, times[1:]) if b - a < 30]   # not across stream restarts
+        starts = list(self.starts)
+        return [b - a for a, b in zip(times, times[1:]) if not any(a < s < b for s in starts)]
 
     def stop(self) -> None:
         self.stopped.set()

@@ -20,26 +20,24 @@ server lives, gives the same greedy text and its resident memory before and afte
 root, last, a second server whose tier is larger than its filesystem must refuse to
 start with a message that says what to change.
 
-    python -m microvllm.bench.hostile_events_tier [--model FOLDER] [--quick]
+    python -m microvllm bench hostile --set events-tier [--model FOLDER] [--quick]
 
 Figures depend on the machine: run it with nothing else running.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from microvllm.bench.hostile import CHAT, Server, Stream, send
+from microvllm.bench.hostile import Server, Stream, send
 from microvllm.distributed.kv_events import REPLAY_MAX_BATCHES
 from microvllm.testing import free_ports
 
@@ -47,37 +45,6 @@ TMPFS_MB = 32
 TIER_BLOCKS = 16          # the embedded model's 16-token blocks: about 12 MB in float32
 BATCHED_TOKENS = 128      # a long prompt's prefill in chunks: the stream's steps stay short
 NUM_KV_BLOCKS = 160       # a pool the warm-up cycles through: every page touched before RSS is taken
-
-
-class ResponseStream(Stream):
-    """``hostile.Stream``, and where each response began: a gap is measured between two
-    tokens of one response (the first token of the next response waits for its prefill
-    behind the long prompts in the queue: that is queueing, not a stall of the stream)."""
-
-    def __init__(self, url: str):
-        self.starts: list[float] = []
-        super().__init__(url)
-
-    def run(self) -> None:   # Stream.run, marking each response's start
-        import httpx
-
-        body = {"messages": CHAT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
-        while not self.stopped.is_set():
-            self.starts.append(time.monotonic())
-            try:
-                with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as response:
-                    for line in response.iter_lines():
-                        if line.startswith("data: ") and '"content"' in line:
-                            self.times.append(time.monotonic())
-                        if self.stopped.is_set():
-                            return
-            except Exception:  # noqa: BLE001 - a failed stream shows as a gap
-                time.sleep(0.1)
-
-    def gaps_between(self, start: float, end: float) -> list[float]:
-        times = [t for t in list(self.times) if start <= t <= end]
-        starts = list(self.starts)
-        return [b - a for a, b in zip(times, times[1:]) if not any(a < s < b for s in starts)]
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -267,7 +234,7 @@ def run(model: str | None, logs: Path, quick: bool) -> bool:
         in_batches(server.url, long_prompts(10, "warm-up", num_words), 2)
         reference = greedy_text(server.url)
         rss_warm = server.rss_mb()
-        stream = ResponseStream(server.url)
+        stream = Stream(server.url)
         time.sleep(3)
         base = stream.gaps_between(time.monotonic() - 3, time.monotonic()) or [0.0]
         print(f"{'attack':38} {'answers':34} {'largest gap':>12} {'median gap':>11}")
@@ -319,15 +286,3 @@ def run(model: str | None, logs: Path, quick: bool) -> bool:
     print(f"\n{'PASS' if ok else 'FAIL'}: no death, same greedy text, memory within 10 %, largest gap under 1 s")
     return ok
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m microvllm.bench.hostile_events_tier",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--quick", action="store_true", help="fewer long prompts")
-    args = parser.parse_args(argv)
-    return 0 if run(args.model, Path(os.environ.get("TMPDIR", "/tmp")), args.quick) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ For each: the answers, and the stream's largest and median gap while it ran. The
 the decode instance answers the attacked prompts as the colocated server does (no poisoned
 prefix cache), /health, each server's RSS before and after, the producer's held KV.
 
-    python -m microvllm.bench.hostile_pd [--model FOLDER] [--quick]
+    python -m microvllm bench hostile --set pd [--model FOLDER] [--quick]
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import json
 import socket
 import statistics
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -262,17 +261,3 @@ def run(model: str | None, logs: Path, quick: bool) -> bool:
         pair.stop()
     return ok
 
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import os
-
-    parser = argparse.ArgumentParser(prog="python -m microvllm.bench.hostile_pd", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--quick", action="store_true", help="fewer unread prefills")
-    args = parser.parse_args(argv)
-    return 0 if run(args.model, Path(os.environ.get("TMPDIR", "/tmp")), args.quick) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

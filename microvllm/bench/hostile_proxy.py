@@ -10,15 +10,13 @@ prints the answers and the stream's largest and median gap between tokens (as
 ``hostile.py``); then whether a normal request still gives the same greedy text and the
 proxy's resident memory after warm-up and after the set.
 
-    python -m microvllm.bench.hostile_proxy [--model FOLDER] [--quick]
+    python -m microvllm bench hostile --set proxy [--model FOLDER] [--quick]
 
 Figures depend on the machine: run it with nothing else running.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import threading
@@ -203,17 +201,3 @@ def run(model: str | None, logs: Path, quick: bool) -> bool:
             if process is not None:
                 process.stop()
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m microvllm.bench.hostile_proxy",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--quick", action="store_true", help="one copy of each megabyte prompt, not two")
-    args = parser.parse_args(argv)
-    ok = run(args.model, Path(os.environ.get("TMPDIR", "/tmp")), args.quick)
-    print("\nthe proxy held: yes" if ok else "\nthe proxy held: NO")
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
