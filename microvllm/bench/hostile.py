@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import socket
 import statistics
@@ -53,11 +52,7 @@ class Server(ServeProcess):
         return self.rss_mb(), sum(rss_mb(pid) for pid in compile_worker_pids(self.process.pid))
 
     def kv_usage(self) -> float:
-        import httpx
-
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        match = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)
-        return float(match.group(1)) if match else float("nan")
+        return self.metrics().get("kv_cache_usage_perc", float("nan"))
 
 
 def compile_worker_pids(server_pid: int) -> set[int]:

@@ -11,9 +11,6 @@ every process either way.
 """
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,7 +20,7 @@ import httpx
 import pytest
 
 from microvllm.models.tiny import make_tiny_model
-from microvllm.testing import free_ports
+from microvllm.testing import free_ports, start_process, stop_process
 from tests.support import ROOT, STARTUP_TIMEOUT, Server, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -36,15 +33,12 @@ class Proxy:
     are what is tested)."""
 
     def __init__(self, folder: Path, replicas: list[str], port: int, log: Path):
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path, self.log = log, open(log, "w")
+        self.url, self.log_path = f"http://127.0.0.1:{port}", log
         command = [sys.executable, "-m", "microvllm.router.http_proxy", "--model", str(folder),
                    "--policy", "round_robin", "--port", str(port)]
         for url in replicas:
             command += ["--replica", url]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True, cwd=ROOT)
+        self.process = start_process(command, log, env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
 
     def healthy(self) -> bool:
         assert self.process.poll() is None, f"the proxy exited:\n{self.log_path.read_text()[-3000:]}"
@@ -57,10 +51,7 @@ class Proxy:
         return httpx.get(self.url + "/router/stats", timeout=10).json()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(30)
-        self.log.close()
+        stop_process(self.process, term_timeout=0)
 
 
 class Cluster:

@@ -283,10 +283,10 @@ class P2PConnector(KVConnectorBase):
                 or request.status != RequestStatus.FINISHED_LENGTH_CAPPED):
             return False, None
         num_full = min(request.num_prompt_tokens // self.block_size, len(block_ids[0]))
-        if sum(self._held.values()) + num_full > self.max_held_blocks:
+        held = sum(self._held.values())
+        if held + num_full > self.max_held_blocks:
             logger.warning("holding %d blocks for remote decodes already (max_held_blocks %d): request %r's "
-                           "decode side computes its prompt", sum(self._held.values()), self.max_held_blocks,
-                           request_id)
+                           "decode side computes its prompt", held, self.max_held_blocks, request_id)
             num_full = 0
         digests = prompt_digests(request.prompt_token_ids[:num_full * self.block_size], self.block_size)
         remote_block_ids = tuple(block_ids[0][:num_full])
