@@ -106,6 +106,7 @@ class Scheduler(KVConnectorScheduling):
         self.num_loading_tokens: dict[str, int] = {}     # of each: its tokens once loaded
         self.kv_pinned: dict[str, KVCacheBlocks] = {}    # loaded, waiting: held until admitted
         self.kv_sending: dict[str, KVCacheBlocks] = {}   # finished, being saved/sent: delayed free
+        self.kv_pool_short = False   # this step let pins go to make room: start no load after it
         self.connector_failures: dict[str, str] = {}     # a connector call raised: the engine fails them
 
     # ----------------------------------------------------------- requests in
@@ -257,7 +258,10 @@ class Scheduler(KVConnectorScheduling):
         With a KV connector the pool may be short only for now: blocks come back when this
         step's loads and sends finish, or when held loaded blocks are let go (their
         requests then compute those tokens instead)."""
-        if self.waiting_for_remote_kvs or self.kv_sending or self._release_kv_pins():
+        if self.waiting_for_remote_kvs or self.kv_sending:
+            return
+        if self._release_kv_pins(keep=request.request_id):
+            self.kv_pool_short = True
             return
         kv = self.kv_cache_manager
         num_hit_tokens = kv.get_computed_blocks(request)[1]
@@ -433,7 +437,7 @@ class Scheduler(KVConnectorScheduling):
                 request.spec_token_ids = list(new_drafts)
         if self.connector is not None:
             self._update_from_kv_xfer_finished(kv_connector_output)
-            self._start_kv_loads()
+            self._start_or_hold_kv_loads(preempted=bool(scheduler_output.preempted_req_ids))
         return outputs
 
     # -------------------------------------------------------------- queries

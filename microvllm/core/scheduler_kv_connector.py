@@ -115,6 +115,7 @@ class KVConnectorScheduling:
     num_loading_tokens: dict[str, int]
     kv_pinned: dict[str, KVCacheBlocks]
     kv_sending: dict[str, KVCacheBlocks]
+    kv_pool_short: bool
     connector_failures: dict[str, str]
     requests: dict[str, Request]
 
@@ -232,14 +233,28 @@ class KVConnectorScheduling:
                 self.kv_cache_manager.free_blocks(pinned)
         return dataclasses.replace(output, kv_connector_metadata=self.connector.build_connector_meta(output))
 
-    def _release_kv_pins(self) -> bool:
-        """Let go of every pinned loaded block (newest first); True if there was any. Used
-        when nothing else can make progress: those requests compute the tokens instead."""
-        if not self.kv_pinned:
-            return False
-        for request_id in reversed(list(self.kv_pinned)):
+    def _release_kv_pins(self, keep: str | None = None) -> bool:
+        """Let go of pinned loaded blocks, newest first; True if any went. Their requests
+        compute those tokens instead. ``keep``: the head of the queue, the request that
+        should fit next, keeps its own unless nobody else holds any."""
+        request_ids = [rid for rid in self.kv_pinned if rid != keep] or list(self.kv_pinned)
+        for request_id in reversed(request_ids):
             self.kv_cache_manager.free_blocks(self.kv_pinned.pop(request_id))
-        return True
+        return bool(request_ids)
+
+    def _start_or_hold_kv_loads(self, preempted: bool) -> None:
+        """After a step. One that had to preempt, or to let pins go before the head of the
+        queue could fit (``kv_pool_short``), found the pool short: no new load may take the
+        blocks that were made free, or the same requests would load, block and let go
+        forever (vLLM considers no waiting request in a step that preempted). A step that
+        preempted also lets every pin go: otherwise a running request could preempt itself
+        step after step while waiting requests sit on the pool."""
+        if preempted:
+            self._release_kv_pins()
+        if preempted or self.kv_pool_short:
+            self.kv_pool_short = False
+        else:
+            self._start_kv_loads()
 
     def _undo_kv_transfers(self) -> None:
         """A step failed: its loads and sends may be half done. Loading requests go back to

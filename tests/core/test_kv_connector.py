@@ -13,7 +13,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 from microvllm.checks.scheduler import expected_output, generated
 from microvllm.config.kv_transfer import KVTransferConfig
@@ -334,8 +334,31 @@ def tier_workloads(draw):
     return config, requests, draw(st.integers(1, 24)), aborts
 
 
+# Found by this test (a livelock, before a step that preempts let go of the pins): three
+# usable blocks, r0's loaded blocks pinned, r2 the only running request and one block short,
+# preempting itself and coming back on its cached block, step after step.
+LIVELOCK_ON_PINS = (
+    {"num_blocks": 4, "block_size": 2, "max_num_seqs": 3, "max_num_batched_tokens": 1, "max_model_len": 64},
+    [("r0", [100, 101, 102, 103, 0], 1, 2), ("r1", [100, 101, 102, 103], 1, 0), ("r2", [200, 201, 202, 203], 1, 1),
+     ("r3", [100, 101, 102, 103], 1, 0), ("r4", [100, 101, 102, 103], 1, 0), ("r5", [300, 301, 302, 303], 2, 1),
+     ("r6", [100, 101, 102, 103], 1, 0), ("r7", [100, 101, 102, 103], 1, 0), ("r8", [200, 201, 202, 203], 1, 0),
+     ("r9", [300, 301, 302, 303], 1, 0)],
+    6, [])
+# And after that fix alone (another livelock): letting every pin go when nothing could run
+# freed blocks that the next loads took at once, the head of the queue (r8) never fitting.
+LIVELOCK_ON_RELOADS = (
+    {"num_blocks": 4, "block_size": 2, "max_num_seqs": 3, "max_num_batched_tokens": 3, "max_model_len": 64},
+    [("r0", [100, 101, 102, 103], 1, 22), ("r1", [100, 101, 102, 103], 1, 0), ("r2", [100, 101, 102, 103], 1, 0),
+     ("r3", [100, 101, 102, 103], 1, 0), ("r4", [200, 201, 202, 203], 1, 0), ("r5", [300, 301, 302, 303], 1, 23),
+     ("r6", [100, 101, 102, 103], 1, 0), ("r7", [100, 101, 102, 103], 1, 0), ("r8", [200, 201, 202, 203, 0], 1, 23),
+     ("r9", [300, 301, 302, 303, 0], 1, 0)],
+    6, [])
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tier_workloads())
+@example(LIVELOCK_ON_PINS)
+@example(LIVELOCK_ON_RELOADS)
 def test_random_workloads_with_the_tier_keep_the_books_and_the_tokens(workload):
     """Every step's invariants hold (loads, pins and delayed frees included), every read of
     the shadow KV finds the right (token, position), every request not aborted gets the

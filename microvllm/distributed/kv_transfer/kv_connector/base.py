@@ -32,7 +32,7 @@ Where microvllm differs from vLLM, and why:
 
 - vLLM asks ``get_num_new_matched_tokens`` inside ``Scheduler.schedule()``; here
   ``schedule()`` is a course exercise, so the scheduler asks when a request arrives and
-  after each step (``Scheduler._start_kv_loads``), for the requests that could be admitted
+  after each step that did not preempt (``Scheduler._start_or_hold_kv_loads``), for the requests that could be admitted
   next. Every load is asynchronous: the request waits one step in WAITING_FOR_REMOTE_KVS
   and is admitted with the loaded blocks as prefix-cache hits.
 - The layers do not call ``wait_for_layer_load`` / ``save_kv_layer`` from inside
