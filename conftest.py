@@ -5,7 +5,8 @@ starts worker processes; the quick tier (``bash .ci/run --quick``, a few minutes
 cores) leaves out what is marked below:
 
 - ``notebook``: a cell of a notebook run under nbval (lectures, solutions, the browser
-  test's notebook): each notebook starts a Jupyter kernel and most load a model;
+  test's notebook), and the blank exercises executed whole: each notebook starts a
+  Jupyter kernel and most load a model;
 - ``slow`` and ``multiprocess``: marked in the test files themselves.
 """
 

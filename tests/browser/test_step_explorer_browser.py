@@ -157,6 +157,7 @@ def caption(page) -> str:
     return page.evaluate("() => (document.querySelector('.widget-html-content') || {}).innerText || ''")
 
 
+@pytest.mark.slow   # 16-18 s on 2 cores: Jupyter's server, a kernel and Chromium
 def test_step_explorer_slider_redraws_in_chromium(tmp_path):
     start = time.monotonic()
     deadline = start + TIME_LIMIT_S - 15              # leave time to stop everything

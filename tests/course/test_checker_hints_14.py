@@ -55,6 +55,7 @@ def test_first_hint_names_the_real_bug(name):
     assert re.search(pattern, first.name + "\n" + explained, re.S), (name, result.report())
 
 
+@pytest.mark.slow   # 11-14 s on 2 cores: the row-by-row sampler runs every statistical case a row at a time
 def test_a_loop_over_rows_is_refused():
     def one_row_at_a_time(drafts, num, target, q, uniform, sample):
         rows = [rejection_sample(drafts[b:b + 1], num[b:b + 1], target[b:b + 1], None if q is None else q[b:b + 1],

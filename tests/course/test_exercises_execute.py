@@ -9,6 +9,10 @@ import pytest
 from microvllm.course.build import execute
 from tests.course.conftest import EXERCISES
 
+# Each starts a Jupyter kernel and runs a whole notebook (6-9 s): the notebook tier, with
+# the lectures and solutions under nbval (the quick tier runs the checkers themselves).
+pytestmark = pytest.mark.notebook
+
 
 @pytest.mark.parametrize("path", EXERCISES, ids=[p.stem for p in EXERCISES])
 def test_exercise_runs_and_reports_not_implemented(path):
