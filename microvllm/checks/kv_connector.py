@@ -227,6 +227,14 @@ def simulate(plan_kv_load, release_finished_sends, *, seed: int, num_requests: i
 # --------------------------------------------------------------------- the checks
 
 
+def the_contract_example(plan_kv_load) -> None:
+    """The contract's picture as a case (the checker's first, and the engine cell's pre-check:
+    the same store, so that the two never disagree)."""
+    h, other = make_hashes(16), make_hashes(8, seed=9)   # 16 tokens: 4 full blocks h0..h3
+    compare_plan(plan_kv_load, h, 14, 4, {h[0], h[1], h[2], other[1]},
+                 "the docstring's example (14 tokens, local hit h0, the store has h0 h1 h2)")
+
+
 def check_kv_connector(plan_kv_load, release_finished_sends, *, num_seeds: int = 20,
                        quiet: bool = False) -> CheckResult:
     """Check your ``plan_kv_load`` and ``release_finished_sends``; print and return the result."""
@@ -234,8 +242,7 @@ def check_kv_connector(plan_kv_load, release_finished_sends, *, num_seeds: int =
     other = make_hashes(8, seed=9)
 
     def the_example():
-        compare_plan(plan_kv_load, h, 14, 4, {h[0], h[1], h[2], other[1]},
-                     "the docstring's example (14 tokens, local hit h0, the store has h0 h1 h2)")
+        the_contract_example(plan_kv_load)
 
     def nothing_to_load():
         compare_plan(plan_kv_load, h, 18, 0, set(other), "the store has none of the request's blocks")
@@ -284,6 +291,7 @@ def check_kv_connector(plan_kv_load, release_finished_sends, *, num_seeds: int =
 # --------------------------------------------------------------------- the engine
 
 PREFIX_LEN, NUM_PREFIXES, NUM_PROMPTS = 48, 4, 12
+SUFFIX_LENS = (5, 8, 0)   # 0 and 8 end on a block boundary: the last token's block is a full one
 
 
 def run_kv_tier_with(plan_kv_load, release_finished_sends, *, quiet: bool = False):
@@ -306,8 +314,9 @@ def run_kv_tier_with(plan_kv_load, release_finished_sends, *, quiet: bool = Fals
         return EngineRunResult(same, reference, yours, message)
 
     try:   # a part not written yet is said in one line, before the engine starts
-        compare_plan(plan_kv_load, make_hashes(16), 14, 4, set(make_hashes(16)), "the docstring's example")
-        compare_release(release_finished_sends, {"a": (3,), "b": (4,)}, ["a"], "the docstring's example")
+        the_contract_example(plan_kv_load)
+        compare_release(release_finished_sends, {"a": (3, 4), "b": (5,)}, ["a"],
+                        "a finished its send; b is still being sent")
     except Exception as exc:  # noqa: BLE001 - a learner's bug becomes a report
         todo = not_implemented_message(exc)
         return report(False, [], [], f"run_kv_tier_with: not implemented yet ({todo})" if todo is not None else
@@ -325,7 +334,8 @@ def run_kv_tier_with(plan_kv_load, release_finished_sends, *, quiet: bool = Fals
 
     rng = random.Random(0)
     prefixes = [[rng.randrange(3, 200) for _ in range(PREFIX_LEN)] for _ in range(NUM_PREFIXES)]
-    prompts = [{"prompt_token_ids": prefixes[i % NUM_PREFIXES] + [rng.randrange(3, 200) for _ in range(5)]}
+    prompts = [{"prompt_token_ids": prefixes[i % NUM_PREFIXES]
+                + [rng.randrange(3, 200) for _ in range(SUFFIX_LENS[i % len(SUFFIX_LENS)])]}
                for i in range(NUM_PROMPTS)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
@@ -364,7 +374,7 @@ def run_kv_tier_with(plan_kv_load, release_finished_sends, *, quiet: bool = Fals
             module.plan_kv_load, module.release_finished_sends = package
     lines = [f"A tiny random Llama, a pool of 19 blocks of 8 tokens, the OffloadingConnector tier; {NUM_PROMPTS} "
              f"prompts one after another, {NUM_PREFIXES} shared prefixes of {PREFIX_LEN} tokens (more than the pool "
-             f"holds) + 5 tokens each ({calls['plan_kv_load']} calls to your plan_kv_load, "
+             f"holds) + 0, 5 or 8 tokens ({calls['plan_kv_load']} calls to your plan_kv_load, "
              f"{calls['release_finished_sends']} to your release_finished_sends)",
              f"  prefix-cache hit tokens: yours {hits}, the package's {ref_hits}; tier blocks loaded: yours {loaded}, "
              f"the package's {ref_loaded}",

@@ -40,13 +40,16 @@ TAG = "microvllm"
 
 
 def _raise_todo(indent: str, qualname: str, todo: str) -> str:
-    message = f"{qualname}: {todo}".replace("\\", "\\\\").replace('"', '\\"')
-    return f'{indent}raise NotImplementedError("{message}")'
+    """The line a blank leaves: it says where the contract is, never what to write (a
+    learner sees this text in every check's output before opening any hint; the steps in
+    words, ``todo``, wait in the last hint)."""
+    return (f'{indent}raise NotImplementedError("{qualname}: not written yet (the contract: its docstring '
+            f'and The contract above; stuck: the hints)")')
 
 
 def cut_solutions(source: str, todos: dict, replace=_raise_todo) -> tuple[str, list[str]]:
-    """Replace every marked block with ``raise NotImplementedError("<qualname>: <todo>")``
-    (or with the line ``replace(indent, qualname, todo)`` returns).
+    """Replace every marked block with ``raise NotImplementedError("<qualname>: not written
+    yet ...")`` (or with the line ``replace(indent, qualname, todo)`` returns).
 
     Returns the exercise source and the qualnames whose blocks were cut. A block's
     qualname is its enclosing ``Class.function`` (or ``function``); ``todos[qualname]``
@@ -141,11 +144,12 @@ def notebook_cells(exercise: Exercise, *, solution: bool) -> list[tuple[str, str
         unused = sorted(set(exercise.todos) - set(cut_seen))
         if unused:
             raise ValueError(f"exercise {exercise.filename}: todos {unused} match no solution block")
+    all_hints = (*exercise.hints, steps_in_words(exercise.todos))
     hints = "\n\n".join(f"<details><summary>Hint {i}</summary>\n\n{h.strip()}\n\n</details>"
-                        for i, h in enumerate(exercise.hints, 1))
-    cells.append(("markdown", "text", "## Hints\n\nOpen one at a time. The last one is a test case to run "
-                  "(predict its answers first), not the answer.\n\n"
-                  + hints))
+                        for i, h in enumerate(all_hints, 1))
+    cells.append(("markdown", "text", f"## Hints\n\nOpen one at a time. Hint {len(exercise.hints)} is a test case "
+                  "to run (predict its answers first), not the answer; the last one gives the steps in words, "
+                  "for when the others were not enough.\n\n" + hints))
     cells.append(("markdown", "text", "## Check your code\n\nEach check prints ✓ lines, or ✗ with the failing "
                   "input, what was expected, what came back and a hint."))
     cells += [("code", "check", c.strip()) for c in exercise.checks]
@@ -154,6 +158,17 @@ def notebook_cells(exercise: Exercise, *, solution: bool) -> list[tuple[str, str
     for note in exercise.notes:
         cells.append(("markdown", "text", note.strip()))
     return cells
+
+
+def steps_in_words(todos: dict) -> str:
+    """The last hint: what each blank does, in words (a list: one line per block, in order)."""
+    lines = []
+    for qualname, todo in todos.items():
+        blocks = [todo] if isinstance(todo, str) else list(todo)
+        numbered = len(blocks) > 1
+        for number, text in enumerate(blocks, 1):
+            lines.append(f"- `{qualname}`" + (f", block {number}" if numbered else "") + f": {text}")
+    return "The steps in words, not the code:\n\n" + "\n".join(lines)
 
 
 def make_notebook(exercise: Exercise, *, solution: bool):

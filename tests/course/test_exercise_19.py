@@ -21,7 +21,7 @@ from microvllm.checks.kv_connector import (
     run_kv_tier_with,
     simulate,
 )
-from microvllm.checks.report import CheckFailure
+from microvllm.checks.report import PASS, CheckFailure
 from microvllm.core.scheduler_kv_connector import KVLoadPlan, plan_kv_load, release_finished_sends
 from tests.course.mutants import mutant
 
@@ -142,3 +142,16 @@ def test_the_packages_functions_are_put_back_after_an_error():
     result = run_kv_tier_with(broken, release_finished_sends, quiet=True)
     assert not result.same and "broken on purpose" in result.message, result.message
     assert module.plan_kv_load is plan_kv_load
+
+
+def test_the_engine_cells_pre_check_is_the_checkers_example():
+    """The engine cell first runs the contract's example: the checker's own first case, on the
+    same store (it once used a store holding every block, and called a plan that passes the
+    checker's example one that fails it)."""
+    wrong = functions("loads the last token's block")   # right on the example, wrong past it
+    checked = check_kv_connector(*wrong, quiet=True)
+    assert checked.cases[0].status == PASS and not checked.passed, checked.report()
+    result = run_kv_tier_with(*wrong, quiet=True)
+    assert not result.same and "example" not in result.message, result.message
+    # caught by the engine itself: a third of the prompts end on a block boundary
+    assert "leave the last token to be computed" in result.message, result.message
