@@ -251,10 +251,9 @@ class KVConnectorScheduling:
         step after step while waiting requests sit on the pool."""
         if preempted:
             self._release_kv_pins()
-        if preempted or self.kv_pool_short:
-            self.kv_pool_short = False
-        else:
+        elif not self.kv_pool_short:
             self._start_kv_loads()
+        self.kv_pool_short = False
 
     def _undo_kv_transfers(self) -> None:
         """A step failed: its loads and sends may be half done. Loading requests go back to
