@@ -10,6 +10,9 @@
                        the grammar cache (default here 64; vLLM's is 512)
     VLLM_MAX_N_SEQUENCES     vLLM's name: the largest ``n`` the server accepts (default
                        here 64; vLLM's is 16384)
+    VLLM_ENABLE_V1_MULTIPROCESSING   vLLM's name: 1 runs ``LLM``'s engine core in a
+                       process of its own (``SyncMPClient``); default here 0, the core in
+                       the caller's process (``InprocClient``), which a notebook can step
     VLLM_SERVER_DEV_MODE     vLLM's name: 1 adds the server's development endpoints
                        (``POST /reset_prefix_cache``); off by default, as any client could
                        otherwise empty every user's prefix cache
@@ -78,3 +81,8 @@ def max_n_sequences() -> int:
 def server_dev_mode() -> bool:
     """``$VLLM_SERVER_DEV_MODE`` is 1: the server's development endpoints are on."""
     return os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
+
+
+def enable_v1_multiprocessing() -> bool:
+    """``$VLLM_ENABLE_V1_MULTIPROCESSING`` (vLLM's switch; default off here, on in vLLM)."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").strip().lower() in ("1", "true", "yes")

@@ -176,7 +176,7 @@ def _default_impl(llm) -> str:
     from microvllm.layers.fused_moe.layer import moe_layers
 
     layer = next(iter(moe_layers(llm.engine.executor.worker.model).values()))
-    return layer.resolved_impl(layer.w13_weight.device)
+    return layer.impl
 
 
 def _row(name: str, result: RunResult, hf: RunResult | None, verdict: str) -> None:

@@ -21,6 +21,14 @@ def resolve_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def is_hybrid(hf_config) -> bool:
+    """Whether ``hf_config`` (a config.json) is a hybrid: linear-attention layers, whose
+    memory is a state, beside attention ones (Qwen3.5). Hugging Face writes it in the
+    config's ``layer_types``, so the config decides, and only here: the engine's arguments
+    (a larger block size, what a hybrid cannot do) and the KV cache layout both ask."""
+    return "linear_attention" in (getattr(hf_config, "layer_types", None) or ())
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model, once its folder is found and its config.json read.

@@ -23,6 +23,6 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"
     # Data parallelism: this engine is replica ``data_parallel_rank`` of ``data_parallel_size``
-    # (each a whole model copy; ``engine/core_client.py``). The rank offsets its KV event ports.
+    # (each a whole model copy; ``engine/dp_async_llm.py``). The rank offsets its KV event ports.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0

@@ -12,7 +12,8 @@
     scheduler.py                Scheduler: continuous batching, chunked prefill, preemption
     scheduler_invariants.py     the scheduler's check_invariants()
     stop_conditions.py          check_stop
-    outputs.py                  EngineCoreOutput
+    outputs.py                  EngineCoreOutput, KVConnectorOutput
+    kv_connector_protocol.py    SchedulerConnector: the KV connector calls the scheduler makes
 """
 
 from microvllm.core.block_pool import BlockPool

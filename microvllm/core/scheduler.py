@@ -38,7 +38,7 @@ Preemption is by recompute: the most recently admitted running request
 (``running[-1]``) gives up its blocks. In a step that preempted, no waiting
 request is admitted (it would just take the blocks back).
 
-With a KV connector (``distributed/kv_transfer/``; core sees only its base class), a
+With a KV connector (``distributed/kv_transfer/``; core sees only ``SchedulerConnector``), a
 waiting request may first load blocks from elsewhere, and a finished one may keep its
 blocks while they are saved or sent (``_start_kv_loads`` and below)::
 
@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 
 from microvllm.core.config import SchedulerConfig
 from microvllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PoolTooSmallError
-from microvllm.core.outputs import EngineCoreOutput
+from microvllm.core.outputs import EngineCoreOutput, KVConnectorOutput
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from microvllm.core.scheduler_invariants import check_scheduler_invariants
@@ -69,7 +69,7 @@ from microvllm.core.spec_decode_stats import SpecDecodingStats
 from microvllm.core.stop_conditions import check_stop
 
 if TYPE_CHECKING:
-    from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorOutput
+    from microvllm.core.kv_connector_protocol import SchedulerConnector
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Scheduler(KVConnectorScheduling):
     """Decides, each step, which requests compute how many tokens."""
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, *,
-                 kv_connector: KVConnectorBase | None = None) -> None:
+                 kv_connector: SchedulerConnector | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = scheduler_config.max_num_seqs

@@ -36,12 +36,12 @@ from collections.abc import Container, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from microvllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from microvllm.core.outputs import EngineCoreOutput
+from microvllm.core.outputs import EngineCoreOutput, KVConnectorOutput
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.sched_output import SchedulerOutput
 
 if TYPE_CHECKING:
-    from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase, KVConnectorOutput
+    from microvllm.core.kv_connector_protocol import SchedulerConnector
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class KVConnectorScheduling:
     is a no-op path unless ``self.connector`` is set (the scheduler checks first)."""
 
     # Set by Scheduler.__init__.
-    connector: KVConnectorBase | None
+    connector: SchedulerConnector | None
     kv_cache_manager: KVCacheManager
     max_num_seqs: int
     waiting: deque[Request]
@@ -264,7 +264,6 @@ class KVConnectorScheduling:
         for request_id in list(self.kv_sending):
             kv.free_blocks(self.kv_sending.pop(request_id))
         if given_up and self.connector is not None:   # their blocks are free: never serve them again
-            from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
             self.connector.update_connector_output(KVConnectorOutput(finished_sending=given_up))
         for request in reversed(list(self.waiting_for_remote_kvs.values())):
             kv.free(request)

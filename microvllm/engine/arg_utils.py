@@ -48,6 +48,7 @@ from microvllm.config import (
 )
 from microvllm.config.cache import MAMBA_CACHE_MODES
 from microvllm.config.components import check_components
+from microvllm.config.model import is_hybrid
 from microvllm.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS
 from microvllm.config.structured_outputs import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
 from microvllm.layers.linear import divide, shard_heads
@@ -55,7 +56,7 @@ from microvllm.layers.quantization import check_quantization
 from microvllm.models.gguf_loader import gguf_weights_file
 from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
-from microvllm.models.registry import moe_dims
+from microvllm.models.registry import moe_dims, resolve_model_class
 from microvllm.platforms import Platform, get_platform
 
 logger = logging.getLogger(__name__)
@@ -290,8 +291,7 @@ class EngineArgs:
     def _hybrid_block_size(self, hf_config, quantization) -> int:
         """``block_size``, raised for a hybrid model until a page holds a state (logged, as
         vLLM logs it); and what a hybrid cannot do here, refused."""
-        layer_types = getattr(hf_config, "layer_types", None) or ()
-        if "linear_attention" not in layer_types:
+        if not is_hybrid(hf_config):
             return self.block_size
         if self.speculative_config is not None:
             raise ValueError("speculative decoding with a hybrid model (linear-attention layers) is not "
@@ -303,8 +303,9 @@ class EngineArgs:
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r}: a hybrid model (linear-attention layers) "
                              "runs unquantized weights here")
-        from microvllm.models.qwen3_5 import Qwen3_5ForCausalLM
-        block_size = Qwen3_5ForCausalLM.min_block_size(hf_config, self.block_size)
+        # The state's size is the model's to say (its linear layers' shapes): ask whichever
+        # class config.json names, as moe_dims does, rather than naming one here.
+        block_size = resolve_model_class(hf_config).min_block_size(hf_config, self.block_size)
         if block_size != self.block_size:
             logger.info("Setting attention block size to %d tokens so that an attention page holds "
                         "a linear-attention state (block_size=%d is too small)", block_size, self.block_size)

@@ -40,18 +40,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from microvllm.engine.arg_utils import EngineArgs, check_engine_options
+from microvllm.engine.core_client import EngineDeadError
 from microvllm.engine.engine import Engine
-from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.engine.metrics import ServingMetrics
 from microvllm.engine.outputs import RequestOutput
 from microvllm.sampling_params import RequestOutputKind, SamplingParams
 from microvllm.structured_output.compile_workers import CompileCancelled, GrammarCompileWorkers
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core loop failed or was shut down: no request can run any more."""
 
 
 class RequestFailedError(RuntimeError):
@@ -68,7 +64,7 @@ class RequestRejectedError(RequestFailedError, ValueError):
 class EngineClient:
     """What a server asks of an engine besides running requests: the tokenizer side, on
     threads of its own (vLLM: ``EngineClient``, ``vllm/engine/protocol.py``). ``AsyncLLM``
-    and the data-parallel ``DPAsyncLLM`` (``core_client.py``) both are one; each sets
+    and the data-parallel ``DPAsyncLLM`` (``dp_async_llm.py``) both are one; each sets
     ``engine`` (whose ``prompts`` and ``tokenize_prompt`` are used here),
     ``tokenizer_threads`` (``new_tokenizer_threads()``) and ``_stopping``."""
 
@@ -120,9 +116,8 @@ class AsyncLLM(EngineClient):
     def __init__(self, model: str | None = None, **kwargs):
         check_engine_options(kwargs)
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = Engine.from_engine_args(self.engine_args)
         # A server must outlive one bad request: a step's exception fails that request only.
-        self.engine.fault_isolation = FaultIsolation()
+        self.engine = Engine.from_engine_args(self.engine_args, fault_isolation=True)
         self.metrics = ServingMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (event loop, asyncio.Queue); touched by both threads, under the lock.
@@ -350,12 +345,13 @@ class AsyncLLM(EngineClient):
                 pass
 
     def _update_gauges(self) -> None:
-        scheduler = self.engine.scheduler
-        self.metrics.set_gauges(len(scheduler.running), scheduler.num_waiting_requests(),
-                                self.engine.kv_cache_manager.usage,
+        """The gauges from the core's last stats (``core/stats.py``), after a step or a
+        command (an abort frees blocks between steps)."""
+        stats = self.engine.core.make_stats()
+        self.metrics.set_gauges(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage,
                                 self.engine.prefix_cache_queries, self.engine.prefix_cache_hits)
-        if self.engine.config.speculative_config is not None:
-            self.metrics.set_spec_decoding(scheduler.spec_decoding_stats)
+        if stats.spec_decoding is not None:
+            self.metrics.set_spec_decoding(stats.spec_decoding)
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

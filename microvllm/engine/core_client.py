@@ -1,453 +1,251 @@
-"""``DPAsyncLLM``: one API server over N data-parallel engine cores, each request sent to
-the least loaded (vLLM: ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py``, the
-"internal load balancer" of ``vllm serve --data-parallel-size N``)::
+"""Clients of the engine core (vLLM: ``vllm/v1/engine/core_client.py``): what the front
+end (``LLMEngine``, ``AsyncLLM``) calls to reach an ``EngineCore`` (``engine/core.py``).
 
-    clients ──> API server (this process)
-                  tokenizer, chat template, every check that needs no model (EngineInputs)
-                  DPAsyncLLM.generate ── picks core argmin(4·waiting + running) ──┐
-                                                                                   │ ZMQ (core_proc.py)
-                ┌────────────────────┬────────────────────┬────────────────────────┘
-                v                    v                    v
-           engine core 0        engine core 1   ...  engine core N-1   (own process, model, KV cache)
+    InprocClient      the core in this process: each get_output() runs one step (the
+                      default for ``LLM``: a notebook cell can step it and look inside)
+    SyncMPClient      the core in a process of its own (``EngineCoreProc``), stepping by
+                      itself; get_output() waits for its next step (``LLM`` with
+                      VLLM_ENABLE_V1_MULTIPROCESSING=1)
+    DPAsyncLLM        N data-parallel cores in processes of their own (``engine/dp_async_llm.py``;
+                      its AsyncLLM-in-each-core design is what DPLBAsyncMPClient replaces)
 
-The load of a core is what it last reported (its scheduler's waiting and running
-queues, vLLM's score: a waiting request counts 4 times, it has not started) plus the
-requests sent to it since, which it has not counted yet: so a burst spreads over the
-cores instead of piling onto the one that looked idle a moment ago (vLLM's client adds
-to its copy of the counts the same way).
-
-Each core's prefix cache is its own: requests that share a prompt prefix hit it only
-on the core that computed it. The internal load balancer does not look at prompts;
-a cache-aware router in front of N separate servers does (README: "Replicas behind a
-router"). A dead core stops the whole server (vLLM's engine is dead after one core
-dies too): a supervisor restarts it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import itertools
-import logging
 import os
-import pickle
+import queue
 import shutil
-import stat
-import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
+from dataclasses import replace
 from multiprocessing import get_context
-from multiprocessing.process import BaseProcess
 
-from microvllm.engine.arg_utils import EngineArgs, check_engine_options
-from microvllm.engine.async_llm import (
-    EngineClient,
-    EngineDeadError,
-    RequestFailedError,
-    RequestRejectedError,
-    new_tokenizer_threads,
+import zmq
+
+from microvllm.engine.core import EngineCore, EngineCoreOutputs, EngineCoreRequest
+from microvllm.engine.core_proc import (
+    ABORT,
+    ADD,
+    DEAD,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    UTILITY,
+    UTILITY_OUTPUT,
+    EngineCoreProc,
 )
-from microvllm.engine.core_proc import MODEL_NAME, DPEngineCoreProc
-from microvllm.engine.engine import Engine
-from microvllm.engine.metrics import _labelled
-from microvllm.engine.outputs import RequestOutput
-from microvllm.engine.prompts import PromptProcessor
-from microvllm.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
-
-STARTUP_TIMEOUT_S = 600.0   # every core loads its model copy
-SOCKET_DIR_PREFIX = "microvllm-dp-"   # + the API server's pid + "-" + random: the IPC sockets' folder
-WAITING_WEIGHT = 4          # vLLM's: score = waiting * 4 + running
-
-# Errors a core reports by name, raised here as the same kind (a 400, a 500, ...).
-_ERRORS: dict[str, type[Exception]] = {
-    "ValueError": ValueError, "TypeError": TypeError, "RequestFailedError": RequestFailedError,
-    "RequestRejectedError": RequestRejectedError, "EngineDeadError": EngineDeadError}
+from microvllm.engine.ipc_dirs import new_socket_dir
+from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 
-class EngineInputs:
-    """What the API server asks of an engine before a request reaches a core — the config,
-    the tokenizer, the checks that need no model — with no model loaded. The methods
-    are ``Engine``'s own, so the checks are the same ones."""
+class InprocClient:
+    """The engine core in the caller's process, stepped by the caller (vLLM's
+    ``InprocClient``). ``engine_core`` is the core itself: a learner may read its
+    scheduler and KV cache between steps."""
 
-    def __init__(self, config):
-        self.config = config
-        self.prompts = PromptProcessor.from_model_folder(config.model_config.model_path,
-                                                         vocab_size=config.model_config.hf_config.vocab_size)
+    def __init__(self, *args, **kwargs):
+        self.engine_core = EngineCore(*args, **kwargs)
 
-    # Engine's methods, run on this object: they read only .config and .prompts.
-    def tokenize_prompt(self, prompt, params: SamplingParams, *, name: str | None = None):
-        return Engine.tokenize_prompt(self, prompt, params, name=name)  # type: ignore[arg-type]
+    def get_output(self) -> EngineCoreOutputs:
+        """Run one step of the core; what it produced."""
+        return self.engine_core.step()
 
-    def check_text_fits(self, num_chars: int, which: str, shorten: str = "it") -> None:
-        Engine.check_text_fits(self, num_chars, which, shorten)  # type: ignore[arg-type]
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
 
-    def get_tokenizer(self):
-        return self.prompts.tokenizer
+    def abort_requests(self, request_ids: Iterable[str], *, stop_string: bool = False) -> None:
+        self.engine_core.abort_requests(request_ids, stop_string=stop_string)
 
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
 
-@dataclasses.dataclass
-class CoreState:
-    """The client's view of one core."""
+    # The checks only the core can make (InputProcessor asks before adding a request).
+    def check_fits(self, name: str, token_ids: list[int]) -> None:
+        self.engine_core.check_fits(name, token_ids)
 
-    index: int
-    process: BaseProcess
-    sent: int = 0              # "generate" messages sent to it
-    accepted: int = 0          # ... of which it had received at its last report
-    waiting: int = 0
-    running: int = 0
-    metrics_text: str = ""
-    last_report: float = dataclasses.field(default_factory=time.monotonic)
+    def check_kv_transfer_params(self, kv_transfer_params: dict | None, token_ids: list[int]) -> None:
+        self.engine_core.check_kv_transfer_params(kv_transfer_params, token_ids)
 
-    @property
-    def score(self) -> int:
-        in_transit = self.sent - self.accepted   # not in its queues yet: waiting, as it will be
-        return WAITING_WEIGHT * (self.waiting + in_transit) + self.running
+    def request_refused(self, kv_transfer_params: dict | None, token_ids: list[int] | None) -> None:
+        self.engine_core.request_refused(kv_transfer_params, token_ids)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.engine_core.reset_prefix_cache(reset_running_requests)
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
 
 
-def least_loaded_core(cores: list[CoreState]) -> CoreState:
-    """The core a new request goes to: the lowest score; on a tie the one sent fewer
-    requests in all, then the first (vLLM's ``DPLBAsyncMPClient.get_core_engine_for_request``)."""
-    return min(cores, key=lambda core: (core.score, core.sent, core.index))
+class EngineDeadError(RuntimeError):
+    """The engine core failed, exited or was shut down: no request can run any more."""
 
 
-class DPAsyncLLM(EngineClient):
-    """``AsyncLLM``'s interface (what the API server calls) over ``data_parallel_size``
-    engine cores in processes of their own.
+class SyncMPClient:
+    """The engine core in a process of its own (``EngineCoreProc``, ``engine/core_proc.py``),
+    for a caller that blocks on each step's outputs (vLLM's ``SyncMPClient``, ``LLM``'s
+    client when ``VLLM_ENABLE_V1_MULTIPROCESSING=1``).
 
-        llm = DPAsyncLLM(model=None, data_parallel_size=2)
-        async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-1"): ...
-        llm.shutdown()
+    The core steps on its own while it has work; ``get_output()`` takes the next step's
+    outputs from a queue that a reader thread fills. The reader also watches the process:
+    a core that dies fails every caller within a second (``EngineDeadError``).
     """
 
-    def __init__(self, model: str | None = None, **kwargs):
-        import zmq
+    STARTUP_TIMEOUT_S = 600.0   # loading the model
 
-        check_engine_options(kwargs)
-        self.engine_args = EngineArgs(model=model, **kwargs)
-        size = self.engine_args.data_parallel_size
-        self.engine = EngineInputs(dataclasses.replace(self.engine_args, data_parallel_rank=0).create_engine_config())
-        events = self.engine.config.kv_events_config
-        if events is not None and events.enable_kv_cache_events and events.endpoint.startswith("ipc://"):
-            raise ValueError(f"kv_events_config endpoint {events.endpoint!r}: with data_parallel_size={size} "
-                             "every core would bind that one path; use tcp://127.0.0.1:PORT (core r publishes "
-                             "on PORT + r, as vLLM's do; tcp://*:PORT for a router on another host)")
-        if events is not None and events.enable_kv_cache_events:
-            check_event_ports(events.endpoint, events.replay_endpoint, size)
-        self.metrics = _DPMetrics(self)
-        self.dead_error: BaseException | None = None
-        self._stopping = threading.Event()
-        self._ids = itertools.count()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, CoreState]] = {}
-        self._lock = threading.Lock()   # _streams, the cores' counts and the input socket
-        self.tokenizer_threads = new_tokenizer_threads()   # tokenizing here: no core needed
-        # The cores connect to us: ROUTER (a message to core i is addressed "core-i"), PULL.
-        # The folder's name holds our pid: removed at shutdown, or (after kill -9, when
-        # nothing of ours can run) by the next server that finds that pid dead.
-        remove_stale_socket_dirs()
-        self._socket_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
-        input_address = f"ipc://{self._socket_dir}/input"
-        output_address = f"ipc://{self._socket_dir}/output"
+    def __init__(self, config, *, startup_timeout: float | None = None, **core_kwargs):
+        self._socket_dir = new_socket_dir()
+        input_address, output_address = f"ipc://{self._socket_dir}/input", f"ipc://{self._socket_dir}/output"
         self._context = zmq.Context()
-        self._input = self._context.socket(zmq.ROUTER)
+        self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a message to a core not connected raises
         self._input.bind(input_address)
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
-        core_kwargs = dataclasses.asdict(self.engine_args)
-        model_arg = core_kwargs.pop("model")
-        threads = max(1, (os.cpu_count() or 1) // size)
-        context = get_context("spawn")
-        self.cores: list[CoreState] = []
-        for index in range(size):
-            # Not a daemon: a core may start processes of its own (tensor-parallel workers,
-            # grammar compilers). It exits when this process does (_exit_when_orphaned).
-            process = context.Process(
-                target=DPEngineCoreProc.run_engine_core, name=f"microvllm-dp-core{index}",
-                args=(index, {"model": model_arg, **core_kwargs, "data_parallel_rank": index},
-                      input_address, output_address,
-                      threads, os.getpid()))
-            process.start()
-            self.cores.append(CoreState(index, process))
+        self._encoder = MsgpackEncoder()
+        self._outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._decoder = MsgpackDecoder()
+        self._send_lock = threading.Lock()    # a ZMQ socket is not thread-safe
+        self._outputs: queue.Queue = queue.Queue()
+        self._calls: dict[int, queue.Queue] = {}
+        self._call_ids = itertools.count()
+        self.dead_error: EngineDeadError | None = None
+        self._stopping = threading.Event()
+        # Not a daemon: the core may start processes of its own (tensor-parallel workers).
+        # It exits when this process does (_exit_when_orphaned).
+        self.process = get_context("spawn").Process(
+            target=EngineCoreProc.run_engine_core, name="microvllm-engine-core",
+            args=(config, core_kwargs, input_address, output_address, os.getpid()))
+        self.process.start()
         try:
-            self._wait_until_ready()
+            ready = self._wait_until_ready(startup_timeout or self.STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
-        self.last_heartbeat = time.monotonic()
-        self._reader = threading.Thread(target=self._read_outputs, name="microvllm-dp-outputs", daemon=True)
+        self.num_kv_blocks: int = ready["num_kv_blocks"]
+        self.max_prompt_tokens: int = ready["max_prompt_tokens"]
+        self._reader = threading.Thread(target=self._read_outputs, name="microvllm-core-client", daemon=True)
         self._reader.start()
 
-    @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "DPAsyncLLM":
-        return cls(**dataclasses.asdict(engine_args))
+    def _wait_until_ready(self, timeout: float) -> dict:
+        """The handshake: the core says READY once its model and KV cache are up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._output.poll(200, zmq.POLLIN):
+                kind, payload = self._output.recv_multipart()
+                if kind == READY:
+                    return self._decoder.decode(payload)
+                if kind == DEAD:
+                    raise RuntimeError(self._decoder.decode(payload))
+            elif not self.process.is_alive():
+                raise RuntimeError(f"the engine core process exited with code {self.process.exitcode} while "
+                                   "starting: its error is printed above")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")
+
+    def _read_outputs(self) -> None:
+        """The reader thread: each output to the queue, each utility result to its caller;
+        a dead core to everyone."""
+        while not self._stopping.is_set():
+            try:
+                if not self._output.poll(250, zmq.POLLIN):
+                    if not self.process.is_alive():
+                        self._die(f"the engine core process (pid {self.process.pid}) exited with code "
+                                  f"{self.process.exitcode}")
+                        return
+                    continue
+                kind, payload = self._output.recv_multipart()
+            except zmq.ZMQError:   # the context was destroyed: shut down
+                return
+            if kind == OUTPUTS:
+                self._outputs.put(self._outputs_decoder.decode(payload))
+            elif kind == UTILITY_OUTPUT:
+                call_id, result, error = self._decoder.decode(payload)
+                answer = self._calls.pop(call_id, None)
+                if answer is not None:
+                    answer.put((result, error))
+            elif kind == DEAD:
+                self._die(f"the engine core failed: {self._decoder.decode(payload)}")
+                return
+
+    def _die(self, message: str) -> None:
+        self.dead_error = EngineDeadError(message)
+        self._outputs.put(self.dead_error)
+        for answer in list(self._calls.values()):
+            answer.put((None, ("EngineDeadError", message)))
+
+    def _send(self, kind: bytes, payload) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        with self._send_lock:
+            self._input.send_multipart([kind, self._encoder.encode(payload)])
+
+    def call_utility(self, method: str, *args):
+        """Run ``EngineCore.<method>(*args)`` in the core's process, between two of its
+        steps; its result, or its exception raised here (as the same kind where it is a
+        ``ValueError`` or a ``TypeError``)."""
+        call_id = next(self._call_ids)
+        answer: queue.Queue = queue.Queue()
+        self._calls[call_id] = answer
+        self._send(UTILITY, (call_id, method, list(args)))
+        result, error = answer.get()
+        if error is not None:
+            kind, message = error
+            raise {"ValueError": ValueError, "PoolTooSmallError": ValueError, "TypeError": TypeError,
+                   "EngineDeadError": EngineDeadError}.get(kind, RuntimeError)(message)
+        return result
 
     # ------------------------------------------------------------ the API
-    @property
-    def is_running(self) -> bool:
-        return self.dead_error is None and not self._stopping.is_set()
+    def get_output(self) -> EngineCoreOutputs:
+        """The next step's outputs (blocks until the core sends them)."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        outputs = self._outputs.get()
+        if isinstance(outputs, BaseException):
+            raise outputs
+        return outputs
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """As ``AsyncLLM.generate``: the request runs on the least loaded core."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running (it was shut down or failed)")
-        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        outputs: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id={request_id!r} is already in use: give each request a unique id")
-            core = least_loaded_core(self.cores)
-            self._streams[request_id] = (asyncio.get_running_loop(), outputs, core)
-            core.sent += 1
-            self._send(core, ("generate", request_id, prompt, sampling_params))
-        finished = False
-        try:
-            while True:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out   # as the core's AsyncLLM.generate yielded it (per output_kind)
-                if finished:
-                    return
-        finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-                if not finished and self.is_running:   # cancelled or closed early: the core frees its blocks
-                    self._send(core, ("abort", request_id))
+    def add_request(self, request: EngineCoreRequest) -> None:
+        # A compiled grammar is no plain data: the core compiles its own from the params.
+        self._send(ADD, replace(request, grammar=None) if request.grammar is not None else request)
 
-    async def abort(self, request_id: str) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                self._send(stream[2], ("abort", request_id))
+    def abort_requests(self, request_ids: Iterable[str], *, stop_string: bool = False) -> None:
+        self._send(ABORT, (list(request_ids), stop_string))
 
-    def abort_all(self) -> None:
-        """Every core aborts what it runs; each stream gets its last output."""
-        with self._lock:
-            for core in self.cores:
-                self._send(core, ("abort_all",))
+    def has_unfinished_requests(self) -> bool:
+        """False: this core steps by itself; the front end knows what it still waits for."""
+        return False
 
-    async def reset_prefix_cache(self) -> bool:
-        """Ask every core to forget its cached block hashes (each does when it reads the
-        message: the answer says it was asked, not that it is done)."""
-        with self._lock:
-            for core in self.cores:
-                self._send(core, ("reset_prefix_cache",))
-        return True
+    def check_fits(self, name: str, token_ids: list[int]) -> None:
+        if len(token_ids) > self.max_prompt_tokens:   # the core words the error
+            self.call_utility("check_fits", name, token_ids)
+
+    def check_kv_transfer_params(self, kv_transfer_params: dict | None, token_ids: list[int]) -> None:
+        self.call_utility("check_kv_transfer_params", kv_transfer_params, token_ids)
+
+    def request_refused(self, kv_transfer_params: dict | None, token_ids: list[int] | None) -> None:
+        self.call_utility("request_refused", kv_transfer_params, token_ids)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.call_utility("reset_prefix_cache", reset_running_requests)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop every core (each aborts what is left first), then the sockets. Idempotent."""
+        """Stop the core process (it stops its own workers), then the sockets. Idempotent."""
         if self._stopping.is_set():
             return
         self._stopping.set()
-        with self._lock:
-            for core in self.cores:
-                self._send(core, ("shutdown",))
-        deadline = time.monotonic() + timeout
-        for core in self.cores:
-            core.process.join(max(0.1, deadline - time.monotonic()))
-            if core.process.is_alive():
-                logger.warning("engine core %d did not stop within %.0f s: killing it", core.index, timeout)
-                core.process.kill()
-                core.process.join(5)
-        self._fail_all(EngineDeadError("the engine was shut down"))
-        self.dead_error = self.dead_error or EngineDeadError("the engine was shut down")
-        self.tokenizer_threads.shutdown(wait=False, cancel_futures=True)
+        if self.process.is_alive() and self.dead_error is None:
+            try:
+                with self._send_lock:
+                    self._input.send_multipart([SHUTDOWN, self._encoder.encode(None)])
+            except Exception:  # noqa: BLE001 - it is going anyway
+                pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
         self._context.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
-
-    # ------------------------------------------------------------ the cores
-    def _send(self, core: CoreState, message: tuple) -> None:
-        """Send under ``self._lock`` (a ZMQ socket is not thread-safe)."""
-        try:
-            self._input.send_multipart([f"core-{core.index}".encode(), pickle.dumps(message)])
-        except Exception as error:  # noqa: BLE001 - a core gone: the reader thread reports it
-            logger.debug("could not reach engine core %d: %r", core.index, error)
-
-    def _wait_until_ready(self) -> None:
-        import zmq
-        ready: set[int] = set()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(ready) < len(self.cores):
-            for core in self.cores:
-                if not core.process.is_alive():
-                    raise RuntimeError(f"engine core {core.index} exited with code {core.process.exitcode} "
-                                       "while starting: its error is printed above")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engine cores {sorted(set(range(len(self.cores))) - ready)} did not start "
-                                   f"within {STARTUP_TIMEOUT_S:.0f} s")
-            if not self._output.poll(500, zmq.POLLIN):
-                continue
-            message = pickle.loads(self._output.recv())
-            if message[0] == "ready":
-                ready.add(message[1])
-                logger.info("engine core %d is ready (%d KV blocks)", message[1], message[2])
-            elif message[0] == "dead":
-                raise RuntimeError(f"engine core {message[1]} failed: {message[2]}")
-
-    def _read_outputs(self) -> None:
-        """The output thread: hand each output to its stream; notice a core's death."""
-        import zmq
-        while not self._stopping.is_set():
-            try:
-                has_message = self._output.poll(250, zmq.POLLIN)
-                message = pickle.loads(self._output.recv()) if has_message else None
-            except zmq.ZMQError:   # the context was destroyed: shut down
-                return
-            if message is not None:
-                self._handle(message)
-            dead = [c for c in self.cores if not c.process.is_alive()]
-            if dead and not self._stopping.is_set():
-                self._die(EngineDeadError(f"engine core {dead[0].index} (pid {dead[0].process.pid}) exited "
-                                          f"with code {dead[0].process.exitcode}"))
-                return
-            self.last_heartbeat = min(c.last_report for c in self.cores)
-
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "stats":
-            _, index, accepted, waiting, running, text = message
-            core = self.cores[index]
-            with self._lock:
-                core.accepted, core.waiting, core.running = accepted, waiting, running
-                core.metrics_text = text if text is not None else core.metrics_text
-                core.last_report = time.monotonic()
-        elif kind == "output":
-            self._deliver(message[1], message[2])
-        elif kind == "error":
-            _, request_id, name, text = message
-            self._deliver(request_id, _ERRORS.get(name, RequestFailedError)(text))
-        elif kind == "dead":
-            self._die(EngineDeadError(f"engine core {message[1]} died: {message[2]}"))
-
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, outputs, _ = stream
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:   # that event loop is closed: nobody listens any more
-                pass
-
-    def _die(self, error: BaseException) -> None:
-        logger.error("%s: the server stops", error)
-        self.dead_error = error
-        self._fail_all(error)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            streams = list(self._streams.values())
-        for loop, outputs, _ in streams:
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, error)
-            except RuntimeError:
-                pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # someone else's process: alive
-        return True
-    return True
-
-
-def _bound_unix_paths() -> set[str]:
-    """The paths of the unix sockets bound in this network namespace (``/proc/net/unix``)."""
-    try:
-        with open("/proc/net/unix") as table:
-            return {fields[7] for fields in (line.split() for line in table.readlines()[1:]) if len(fields) >= 8}
-    except OSError:
-        return set()
-
-
-def remove_stale_socket_dirs(root: str | None = None) -> list[str]:
-    """Remove the socket folders of data-parallel servers that died without cleaning up
-    (``kill -9``): ``microvllm-dp-<pid>-*`` folders of this user in the temp folder whose
-    pid is dead and none of whose sockets is still bound. Returns the removed paths."""
-    root = root or tempfile.gettempdir()
-    try:
-        entries = os.listdir(root)
-    except OSError:
-        return []
-    bound = None
-    removed = []
-    for name in entries:
-        if not name.startswith(SOCKET_DIR_PREFIX):
-            continue
-        pid_text = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
-            continue   # a folder of an older version (no pid), or a live server's
-        path = os.path.join(root, name)
-        try:
-            info = os.lstat(path)
-        except OSError:
-            continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-            continue
-        bound = _bound_unix_paths() if bound is None else bound
-        if any(os.path.join(path, socket) in bound for socket in ("input", "output")):
-            continue   # its pid is of another pid namespace, and it still serves
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    if removed:
-        logger.info("removed %d socket folder(s) left by data-parallel servers that were killed: %s",
-                    len(removed), ", ".join(removed))
-    return removed
-
-
-def _tcp_port(endpoint: str | None) -> int | None:
-    if not endpoint or not endpoint.startswith("tcp://"):
-        return None
-    try:
-        return int(endpoint.rpartition(":")[2])
-    except ValueError:
-        return None
-
-
-def check_event_ports(endpoint: str, replay_endpoint: str | None, size: int) -> None:
-    """Core r publishes on the endpoint's port + r and serves replay on the replay
-    endpoint's port + r: the two ranges must not overlap (5557 and 5558 with two cores:
-    core 1's events would take core 0's replay port)."""
-    pub, replay = _tcp_port(endpoint), _tcp_port(replay_endpoint)
-    if pub is None or replay is None:
-        return
-    if set(range(pub, pub + size)) & set(range(replay, replay + size)):
-        raise ValueError(
-            f"kv_events_config: with data_parallel_size={size} core r publishes on port {pub} + r and "
-            f"answers replay on port {replay} + r, and these overlap: give the replay_endpoint a port of at "
-            f"least {pub + size} (e.g. tcp://127.0.0.1:{pub + size})")
-
-
-class _DPMetrics:
-    """``/metrics`` over the cores: each core's samples with an ``engine`` label (vLLM's),
-    under one HELP and TYPE per metric."""
-
-    def __init__(self, client: DPAsyncLLM):
-        self.client = client
-
-    def render(self, model_name: str) -> str:
-        families: dict[str, list[str]] = {}   # metric name -> its HELP, TYPE, then every core's samples
-        with self.client._lock:
-            texts = [(core.index, core.metrics_text) for core in self.client.cores]
-        for index, text in texts:
-            text = text.replace(f'model_name="{MODEL_NAME}"', f'model_name="{model_name}"')
-            name = ""
-            for line in text.splitlines():
-                if line.startswith("# HELP ") or line.startswith("# TYPE "):
-                    name = line.split()[2]
-                    lines = families.setdefault(name, [])
-                    if index == texts[0][0]:
-                        lines.append(line)
-                elif line:
-                    families.setdefault(name, []).append(_labelled(line, f'engine="{index}"'))
-        return "".join(line + "\n" for lines in families.values() for line in lines)

@@ -1,149 +1,177 @@
-"""``DPEngineCoreProc``: one data-parallel engine core in a process of its own (vLLM:
-``DPEngineCoreProc`` in ``vllm/v1/engine/core.py``).
+"""The engine core in a process of its own (vLLM: ``EngineCoreProc`` in
+``vllm/v1/engine/core.py``).
 
-``microvllm serve --data-parallel-size N`` starts N of these beside one API server. Each
-is a whole engine — its own model copy, KV cache, scheduler and engine-core thread (an
-``AsyncLLM``) — and knows nothing of the others: a dense model's replicas never talk
-(vLLM syncs its DP ranks only for mixtures of experts, whose experts may be split over
-them). The API server's ``DPAsyncLLM`` (``core_client.py``) talks to each over ZMQ::
+``EngineCoreProc``: one ``EngineCore`` behind two ZMQ sockets, driven by a client in the
+front end's process (``SyncMPClient``, ``engine/core_client.py``)::
 
-    API server process                              engine core process i
-    ──────────────────                              ─────────────────────
-    DPAsyncLLM ── ROUTER ─ ("generate", id, prompt, params) ─> DEALER ─> AsyncLLM.generate
-                         ─ ("abort", id) / ("abort_all",) / ("reset_prefix_cache",) / ("shutdown",)
-               <─ PULL ─── ("output", id, RequestOutput) ───── PUSH  (every step it moves)
-                           ("error", id, kind, message)               (a refused or failed request)
-                           ("stats", i, accepted, waiting, running, metrics text or None)
-                                                                      (every 0.1 s busy, 0.5 s idle; the
-                                                                       text at most every 0.5 s, and
-                                                                       before each final output)
+    front end (LLMEngine)                           engine core process
+    ─────────────────────                           ───────────────────
+    SyncMPClient ── PUSH ─ [ADD, EngineCoreRequest] ──> PULL ─> input thread ─> input_queue
+                         ─ [ABORT, (ids, stop_string)]                              │
+                         ─ [UTILITY, (call id, method, args)]                       v
+                                                                 busy loop: take the input, then
+                                                                 one EngineCore.step() if any
+                                                                 request is unfinished
+                 <─ PULL ─ [OUTPUTS, EngineCoreOutputs] ─── PUSH <─ output thread <─ output_queue
+                           [UTILITY_OUTPUT, (call id, result, error)]
+                           [READY, {num_kv_blocks, max_prompt_tokens}]   once, after the model loads
+                           [DEAD, message]                               the core failed: it exits 1
 
-Messages are pickled: both ends are this package, on one machine (vLLM encodes its
-``EngineCoreRequest`` with msgspec, which is faster and refuses arbitrary objects).
-A core sends its stats before a request's last output, so when a client has its answer
-the API server's ``/metrics`` already counts it.
+Every message is msgspec (``engine/serial_utils.py``): a socket that unpickled could be
+made to run anything. The threads do the (de)serializing and the socket waits, so the
+busy loop spends its time stepping, as in vLLM; the loop is the only user of the core.
+
+Data parallelism still uses an older shape, a whole ``AsyncLLM`` per core process
+(``engine/dp_core_proc.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import pickle
+import os
+import queue
 import signal
 import threading
 import time
+import traceback
+from typing import Any
 
 from microvllm.executor.multiproc_executor import _exit_when_orphaned
 
-STATS_INTERVAL_S = 0.5   # how often an idle core reports (its heartbeat: the API server's /health)
-BUSY_STATS_INTERVAL_S = 0.1   # ... and a busy one (its queues: the load balancer's input)
-MODEL_NAME = "{model_name}"   # stands for the served name in a core's metrics text
-
 logger = logging.getLogger(__name__)
 
+# vLLM's EngineCoreRequestType values (the first frame of a message to the core).
+ADD, ABORT, UTILITY, SHUTDOWN = b"\x00", b"\x01", b"\x03", b"\x09"
+# The first frame of a message from the core.
+OUTPUTS, UTILITY_OUTPUT, READY, DEAD = b"o", b"u", b"r", b"d"
+# What a client may call on the core by name (UTILITY): nothing else is reachable.
+UTILITY_METHODS = frozenset({"check_fits", "check_kv_transfer_params", "request_refused",
+                             "reset_prefix_cache", "check_invariants"})
 
-class DPEngineCoreProc:
-    """Data-parallel rank ``index``: an ``AsyncLLM`` driven by the messages of one client."""
 
-    def __init__(self, index: int, engine_kwargs: dict, input_address: str, output_address: str):
+class EngineCoreProc:
+    """The busy loop of an engine core in its own process (vLLM: ``run_busy_loop``)."""
+
+    def __init__(self, config, core_kwargs: dict, input_address: str, output_address: str):
         import zmq
-        import zmq.asyncio
 
-        from microvllm.engine.async_llm import AsyncLLM
+        from microvllm.engine.core import EngineCore, EngineCoreRequest
+        from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-        self.index = index
-        self.llm = AsyncLLM(**engine_kwargs)
-        self.context = zmq.asyncio.Context()
-        self.input = self.context.socket(zmq.DEALER)
-        self.input.setsockopt(zmq.IDENTITY, f"core-{index}".encode())
-        self.input.setsockopt(zmq.LINGER, 0)
-        self.input.connect(input_address)
-        self.output = self.context.socket(zmq.PUSH)
-        self.output.setsockopt(zmq.LINGER, 1000)
-        self.output.connect(output_address)
-        self.requests: dict[str, asyncio.Task] = {}
-        self.accepted = 0    # "generate" messages received: the client compares with what it sent
-
-    async def send(self, message: tuple) -> None:
-        await self.output.send(pickle.dumps(message))
-
-    async def send_stats(self, with_text: bool = True) -> None:
-        """Queue lengths (the load balancer's input), and the metrics text for ``/metrics``
-        unless ``with_text`` is False (None: the client keeps the last one)."""
-        metrics = self.llm.metrics
-        text = metrics.render(MODEL_NAME) if with_text else None
-        await self.send(("stats", self.index, self.accepted, metrics.num_requests_waiting,
-                         metrics.num_requests_running, text))
-
-    async def run(self) -> None:
-        """Serve the client's messages until "shutdown" (or until the engine dies)."""
-        await self.send(("ready", self.index, self.llm.engine.num_kv_blocks))
-        heartbeat = asyncio.create_task(self._heartbeat())
+        self.context = zmq.Context()
+        self.output_address = output_address
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.request_decoder = MsgpackDecoder(EngineCoreRequest)
+        self.decoder = MsgpackDecoder()
+        self.encoder = MsgpackEncoder()
+        threading.Thread(target=self._send_outputs, name="microvllm-core-output", daemon=True).start()
         try:
-            while True:
-                message = pickle.loads(await self.input.recv())
-                kind = message[0]
-                if kind == "generate":
-                    _, request_id, prompt, params = message
-                    self.accepted += 1
-                    self.requests[request_id] = asyncio.create_task(self._generate(request_id, prompt, params))
-                elif kind == "abort":
-                    task = self.requests.pop(message[1], None)
-                    if task is not None:
-                        task.cancel()   # AsyncLLM.generate's cleanup aborts it: its blocks are freed
-                elif kind == "abort_all":
-                    self.llm.abort_all()
-                elif kind == "reset_prefix_cache":
-                    asyncio.create_task(self.llm.reset_prefix_cache())
-                elif kind == "shutdown":
-                    return
-        finally:
-            heartbeat.cancel()
-            self.llm.shutdown()
+            self.engine_core = EngineCore(config, **core_kwargs)
+        except BaseException as error:
+            self.output_queue.put((DEAD, f"the engine core failed to start: {error!r}"))
+            self._flush_outputs()
+            raise
+        threading.Thread(target=self._read_inputs, args=(input_address,), name="microvllm-core-input",
+                         daemon=True).start()
+        self.output_queue.put((READY, {"num_kv_blocks": self.engine_core.num_kv_blocks,
+                                       "max_prompt_tokens": self.engine_core.max_prompt_tokens()}))
 
-    async def _generate(self, request_id: str, prompt, params) -> None:
-        try:
-            async for out in self.llm.generate(prompt, params, request_id):
-                if out.finished:
-                    await self.send_stats()   # counted before the client sees its answer
-                await self.send(("output", request_id, out))
-        except asyncio.CancelledError:
-            pass
-        except Exception as error:  # noqa: BLE001 - the client re-raises it as the same kind
-            await self.send(("error", request_id, type(error).__name__, str(error)))
-        finally:
-            self.requests.pop(request_id, None)
+    # ------------------------------------------------------------ threads
+    def _read_inputs(self, address: str) -> None:
+        """The input thread: decode each message and queue it for the busy loop."""
+        import zmq
+        socket = self.context.socket(zmq.PULL)
+        socket.connect(address)
+        while True:
+            kind, payload = socket.recv_multipart()
+            decoder = self.request_decoder if kind == ADD else self.decoder
+            self.input_queue.put((kind, decoder.decode(payload)))
 
-    async def _heartbeat(self) -> None:
-        rendered = 0.0   # the whole metrics text at most every STATS_INTERVAL_S: busy beats send counts
-        while self.llm.is_running:
-            now = time.monotonic()
-            with_text = now - rendered >= STATS_INTERVAL_S
-            await self.send_stats(with_text)
-            rendered = now if with_text else rendered
-            await asyncio.sleep(BUSY_STATS_INTERVAL_S if self.requests else STATS_INTERVAL_S)
-        await self.send(("dead", self.index, repr(self.llm.dead_error)))
+    def _send_outputs(self) -> None:
+        """The output thread: encode each output and send it (vLLM: ``process_output_sockets``)."""
+        import zmq
+        socket = self.context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 2000)
+        socket.connect(self.output_address)
+        while True:
+            kind, payload = self.output_queue.get()
+            if kind is None:   # _flush_outputs: everything before it is sent
+                payload.set()
+                continue
+            socket.send_multipart([kind, self.encoder.encode(payload)])
+
+    def _flush_outputs(self, timeout: float = 5.0) -> None:
+        sent = threading.Event()
+        self.output_queue.put((None, sent))
+        sent.wait(timeout)
+
+    # ---------------------------------------------------------- busy loop
+    def run_busy_loop(self) -> None:
+        """Take what arrived (waiting for it when there is nothing to run), then step."""
+        while True:
+            if not self._process_input_queue():
+                return
+            if self.engine_core.has_unfinished_requests():
+                self.output_queue.put((OUTPUTS, self.engine_core.step()))
+
+    def _process_input_queue(self) -> bool:
+        """Handle every queued message; block for one while the core is idle. False: shut down."""
+        block = not self.engine_core.has_unfinished_requests()
+        while True:
+            try:
+                kind, payload = self.input_queue.get(block=block)
+            except queue.Empty:
+                return True
+            if kind == SHUTDOWN:
+                return False
+            self._handle(kind, payload)
+            block = False
+
+    def _handle(self, kind: bytes, payload: Any) -> None:
+        from microvllm.core.outputs import EngineCoreOutput
+        from microvllm.engine.core import EngineCoreOutputs
+
+        core = self.engine_core
+        if kind == ADD:
+            kv_transfer_params = None
+            try:   # the checks an in-process front end asks for before adding, made here too
+                core.check_fits(payload.request_id, payload.prompt_token_ids)
+                kv_transfer_params = (payload.sampling_params.extra_args or {}).get("kv_transfer_params")
+                core.check_kv_transfer_params(kv_transfer_params, payload.prompt_token_ids)
+                core.add_request(payload)
+            except ValueError as refusal:
+                core.request_refused(kv_transfer_params, payload.prompt_token_ids)
+                refused = EngineCoreOutput(payload.request_id, (), finish_reason="error", error=str(refusal),
+                                           bad_request=True)
+                self.output_queue.put((OUTPUTS, EngineCoreOutputs([refused], timestamp=time.monotonic())))
+        elif kind == ABORT:
+            request_ids, stop_string = payload
+            core.abort_requests(request_ids, stop_string=stop_string)
+        elif kind == UTILITY:
+            call_id, method, args = payload
+            failed: tuple[str, str] | None = None
+            try:
+                if method not in UTILITY_METHODS:
+                    raise AttributeError(f"the engine core has no utility method {method!r}")
+                result = getattr(core, method)(*args)
+            except Exception as failure:  # noqa: BLE001 - the caller raises it
+                result, failed = None, (type(failure).__name__, str(failure))
+            self.output_queue.put((UTILITY_OUTPUT, (call_id, result, failed)))
 
     @staticmethod
-    def run_engine_core(index: int, engine_kwargs: dict, input_address: str, output_address: str,
-                        num_threads: int, parent_pid: int) -> None:
+    def run_engine_core(config, core_kwargs: dict, input_address: str, output_address: str,
+                        parent_pid: int) -> None:
         """The process's entry point (``multiprocessing`` spawn)."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the API server, which decides
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the front end, which decides
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-        import torch
-        torch.set_num_threads(num_threads)   # the ranks share this machine's cores
+        proc = EngineCoreProc(config, core_kwargs, input_address, output_address)
         try:
-            proc = DPEngineCoreProc(index, engine_kwargs, input_address, output_address)
-        except BaseException as error:
-            _report_startup_failure(index, output_address, error)
-            raise
-        asyncio.run(proc.run())
-
-
-def _report_startup_failure(index: int, output_address: str, error: BaseException) -> None:
-    import zmq
-    socket: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
-    socket.setsockopt(zmq.LINGER, 2000)
-    socket.connect(output_address)
-    socket.send(pickle.dumps(("dead", index, f"startup failed: {error!r}")))
-    socket.close()
+            proc.run_busy_loop()
+        except BaseException as error:  # noqa: BLE001 - the client must hear why
+            logger.error("the engine core failed:\n%s", traceback.format_exc())
+            proc.output_queue.put((DEAD, f"{type(error).__name__}: {error}"))
+            proc._flush_outputs()
+            os._exit(1)
+        proc.engine_core.shutdown()
+        proc._flush_outputs()

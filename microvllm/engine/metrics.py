@@ -214,21 +214,22 @@ class Vector(Metric):
 
 def engine_metrics(engine) -> list[Metric]:
     """A snapshot of an engine's gauges, prefix-cache and speculative decoding counters and,
-    for a mixture of experts, the tokens routed to each expert of each layer (``LLM.get_metrics``)."""
-    scheduler = engine.scheduler
+    for a mixture of experts, the tokens routed to each expert of each layer (``LLM.get_metrics``).
+    Read from the core's stats (``core/stats.py``), never from its scheduler."""
+    stats = engine.get_stats()
     metrics: list[Metric] = [
-        Gauge(f"{PREFIX}num_requests_running", {}, len(scheduler.running)),
-        Gauge(f"{PREFIX}num_requests_waiting", {}, scheduler.num_waiting_requests()),
-        Gauge(f"{PREFIX}kv_cache_usage_perc", {}, engine.kv_cache_manager.usage),
+        Gauge(f"{PREFIX}num_requests_running", {}, stats.num_running_reqs),
+        Gauge(f"{PREFIX}num_requests_waiting", {}, stats.num_waiting_reqs),
+        Gauge(f"{PREFIX}kv_cache_usage_perc", {}, stats.kv_cache_usage),
         Counter(f"{PREFIX}prefix_cache_queries", {}, engine.prefix_cache_queries),
         Counter(f"{PREFIX}prefix_cache_hits", {}, engine.prefix_cache_hits)]
-    if engine.config.speculative_config is not None:
-        stats = scheduler.spec_decoding_stats
-        metrics += [Counter(f"{PREFIX}spec_decode_num_drafts", {}, stats.num_drafts),
-                    Counter(f"{PREFIX}spec_decode_num_draft_tokens", {}, stats.num_draft_tokens),
-                    Counter(f"{PREFIX}spec_decode_num_accepted_tokens", {}, stats.num_accepted_tokens),
+    if stats.spec_decoding is not None:
+        drafts = stats.spec_decoding
+        metrics += [Counter(f"{PREFIX}spec_decode_num_drafts", {}, drafts.num_drafts),
+                    Counter(f"{PREFIX}spec_decode_num_draft_tokens", {}, drafts.num_draft_tokens),
+                    Counter(f"{PREFIX}spec_decode_num_accepted_tokens", {}, drafts.num_accepted_tokens),
                     Vector(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", {},
-                           list(stats.num_accepted_tokens_per_pos))]
+                           list(drafts.num_accepted_tokens_per_pos))]
     # Mixtures of experts: (token, expert) pairs routed to each expert, one vector per layer.
     metrics += [Vector(f"{OWN_PREFIX}moe_expert_tokens", {"layer": layer}, list(counts))
                 for layer, counts in engine.expert_load.items()]

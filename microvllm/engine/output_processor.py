@@ -10,7 +10,9 @@ gathers its samples::
                                                          CompletionOutput(1, ...)])
 
 A stop string is found here, not in the scheduler (which sees only ids), so the
-processor reports those children back to the engine to be finished.
+processor reports those children back to the engine core to be finished; and when
+the core fails one sample (its grammar, a KV connector, a fault in a step), the
+whole request fails here, and its other samples go back to the core to be aborted.
 
 Logprobs arrive from the runner as lists of ids and numbers (``LogprobsLists``) and
 leave as vLLM's dicts of ``Logprob`` with each token's text (``logprobs_to_dicts``).
@@ -104,36 +106,49 @@ class OutputProcessor:
         self.parents[request_id] = parent
         return ids
 
-    def process(self, core_outputs, logprobs: dict[str, LogprobsLists],
-                prompt_logprobs: dict[str, LogprobsLists] | None = None
-                ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's new tokens. Returns (outputs of requests that changed,
-        child ids that hit a stop string and must be finished by the scheduler)."""
+    def process(self, core_outputs) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Apply one core step's outputs (``EngineCoreOutput``: new tokens, logprobs, a
+        finish reason or an error). Returns (outputs of the requests that changed, sample
+        ids that hit a stop string, sample ids of requests that failed): the front end
+        has the core end both kinds (vLLM: ``OutputProcessor.process_outputs``, whose
+        ``reqs_to_abort`` the core aborts)."""
         changed: dict[str, ParentState] = {}
+        failed: dict[str, RequestOutput] = {}
         stopped: list[str] = []
-        for child_id, lists in (prompt_logprobs or {}).items():
-            child = self.children.get(child_id)
-            if child is not None and child.parent.prompt_logprobs is not None:
-                # By position: a recomputed chunk (after preemption) overwrites the same slots.
-                dicts = self.logprobs_to_dicts(lists)
-                child.parent.prompt_logprobs[lists.start:lists.start + len(dicts)] = dicts
+        to_abort: list[str] = []
         for parent in self.parents.values():
             for child in parent.children:
                 child.completion.delta_text, child.completion.delta_token_ids = "", []
         for core in core_outputs:
-            child = self.children.get(core.request_id)
-            if child is None:
-                continue
+            found = self.children.get(core.request_id)
+            if found is None:
+                continue   # its request failed or was aborted earlier
+            child = found
             completion, parent = child.completion, child.parent
+            if core.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                # By position: a recomputed chunk (after preemption) overwrites the same slots.
+                lists = core.new_prompt_logprobs
+                dicts = self.logprobs_to_dicts(lists)
+                parent.prompt_logprobs[lists.start:lists.start + len(dicts)] = dicts
+            if core.error is not None:   # the core failed this sample: the whole request fails
+                siblings = [c for c in self.child_ids(parent.request_id) if c != core.request_id]
+                output = self.fail(parent.request_id, core.error, bad_request=core.bad_request)
+                if output is not None:
+                    failed[parent.request_id] = output
+                    changed.pop(parent.request_id, None)
+                    to_abort.extend(siblings)
+                continue
+            if not core.new_token_ids and core.finish_reason is None:
+                continue   # a prompt chunk's logprobs only: nothing for the caller yet
             new_ids = list(core.new_token_ids)
             completion.token_ids.extend(new_ids)
             completion.delta_token_ids = new_ids
-            if getattr(core, "kv_transfer_params", None) is not None:
+            if core.kv_transfer_params is not None:
                 parent.kv_transfer_params = core.kv_transfer_params
             if core.num_cached_tokens and not parent.num_cached_tokens:
                 parent.num_cached_tokens = core.num_cached_tokens
-            if completion.logprobs is not None and core.request_id in logprobs:
-                lists = logprobs[core.request_id]
+            if completion.logprobs is not None and core.new_logprobs is not None:
+                lists = core.new_logprobs
                 completion.logprobs.extend(self.logprobs_to_dicts(lists))
                 # Column 0 of each row is the sampled token.
                 completion.cumulative_logprob = ((completion.cumulative_logprob or 0.0)
@@ -160,7 +175,8 @@ class OutputProcessor:
             outputs.append(parent.to_output())
             if parent.finished():
                 self._drop(parent)
-        return outputs, stopped
+        outputs.extend(failed.values())
+        return outputs, stopped, to_abort
 
     def logprobs_to_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
         """vLLM's form: per row ``{token id: Logprob}``, the row's own token first (its

@@ -119,7 +119,7 @@ class StepTracer:
     def _kv_connector_state(self) -> dict:
         """What a KV connector holds now and moved this step (empty without one)."""
         scheduler, manager = self.scheduler, self.scheduler.kv_cache_manager
-        connector = getattr(scheduler, "connector", None)
+        connector = scheduler.connector
         if connector is None:
             return {}
         loaded, saved = getattr(connector, "num_blocks_loaded", 0), getattr(connector, "num_blocks_saved", 0)

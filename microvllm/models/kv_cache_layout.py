@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from microvllm.config.model import is_hybrid
 from microvllm.core.kv_cache_spec import KVCacheSpec, MambaSpec, attention_spec
 
 
@@ -83,7 +84,7 @@ class KVCacheLayout:
         if len(layer_types) != num_layers:
             raise ValueError(f"config.layer_types has {len(layer_types)} entries but "
                              f"num_hidden_layers is {num_layers}")
-        if "linear_attention" in layer_types:
+        if is_hybrid(config):
             return cls._hybrid(layer_types)
         windows: list[int | None] = []
         layer_to_group = []

@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from microvllm.config import resolve_dtype
 from microvllm.distributed import get_tensor_model_parallel_world_size
-from microvllm.layers.fused_moe.layer import expert_param_name
+from microvllm.layers.fused_moe.layer import expert_param_name, moe_layers
 from microvllm.layers.linear import check_shape
 from microvllm.layers.quantization import check_quantization, quantize_layers
 from microvllm.layers.quantization.int8 import Int8Config
@@ -84,6 +84,8 @@ def load_model(model_path: str | Path, backend, dtype="float32", max_position: i
         if name in weight_loaders:
             param.weight_loader = weight_loaders[name]
     model.rotary.build_table(device)  # buffers are not in the checkpoint
+    for experts in moe_layers(model).values():   # built on "meta": their device is known only now
+        experts.choose_impl()
     gguf_file = gguf_weights_file(Path(model_path))
     if gguf_file is not None:
         fill_weights(model, gguf_tensors(model, gguf_file, quant_config, lambda n: _our_name(model, n)[0]),

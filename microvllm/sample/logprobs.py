@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from microvllm.core.outputs import LogprobsLists  # what the engine core hands on: plain lists
+
 
 @dataclass(frozen=True)
 class LogprobsTensors:
@@ -42,18 +44,6 @@ class LogprobsTensors:
         """The same three tensors as Python lists (what the engine puts in outputs)."""
         return (self.logprob_token_ids.tolist(), self.logprobs.tolist(),
                 self.selected_token_ranks.tolist())
-
-
-@dataclass(frozen=True)
-class LogprobsLists:
-    """Logprobs of consecutive positions of one request, as Python lists, one row per
-    position: column 0 is the token actually there (sampled, or the prompt's), then
-    the top N. ``start``: the position of the first row (prompt logprobs)."""
-
-    logprob_token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]                    # rank of each row's column-0 token, 1 = most likely
-    start: int = 0
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:

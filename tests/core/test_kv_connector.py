@@ -142,6 +142,24 @@ def prompt_of(blocks: int, extra: int = 1, base: int = 100) -> list[int]:
     return list(range(base, base + blocks * B + extra))
 
 
+# ------------------------------------------------------- the seam's two names
+
+
+def test_the_base_class_has_every_call_the_scheduler_makes():
+    """core names the connector's scheduler side in ``SchedulerConnector`` without importing
+    ``KVConnectorBase``; a method renamed on one side only would pass every type-free run."""
+    import inspect
+
+    from microvllm.core.kv_connector_protocol import SchedulerConnector
+    calls = [name for name in vars(SchedulerConnector) if not name.startswith("_")]
+    assert len(calls) == 5, calls
+    for name in calls:
+        assert hasattr(KVConnectorBase, name), f"KVConnectorBase has no {name}(), which the scheduler calls"
+        expected = list(inspect.signature(getattr(SchedulerConnector, name)).parameters)
+        actual = list(inspect.signature(getattr(KVConnectorBase, name)).parameters)
+        assert actual == expected, f"{name}: KVConnectorBase takes {actual}, SchedulerConnector says {expected}"
+
+
 # ------------------------------------------------------- which blocks load
 
 

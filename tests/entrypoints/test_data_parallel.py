@@ -1,5 +1,5 @@
 """``microvllm serve --data-parallel-size 2``, for real: one API server process and two
-engine-core processes (``engine/core_client.py``, ``engine/core_proc.py``) on 127.0.0.1.
+engine-core processes (``engine/dp_async_llm.py``, ``engine/dp_core_proc.py``) on 127.0.0.1.
 
 The same greedy text as one engine; requests spread over both cores by load (each
 core's count under vLLM's ``engine`` label in /metrics); a cancelled stream frees its
@@ -235,7 +235,7 @@ def _port_free(port: int) -> bool:
 
 
 def test_stale_socket_folders_of_dead_servers_are_removed_and_no_other(tmp_path):
-    from microvllm.engine.core_client import remove_stale_socket_dirs
+    from microvllm.engine.ipc_dirs import remove_stale_socket_dirs
 
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -51,11 +51,40 @@ def test_each_forward_step_runs_the_engine_token_identical_to_hf(tmp_path, monke
     prompts = varied_prompts(512, count=4, seed=21, max_len=24)
     llm = LLM(str(folder), enforce_eager=True, max_model_len=128, max_num_batched_tokens=32)
     experts = llm.engine.executor.worker.model.layers[1].mlp.experts
-    assert experts.resolved_impl(torch.device("cpu")) == impl
+    assert experts.impl == impl
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, out in zip(prompts, outs):
         assert tuple(out.outputs[0].token_ids) == hf_greedy(str(folder), tuple(p), 8)
+
+
+def test_the_layer_chooses_its_experts_once(monkeypatch):
+    """``impl=`` or $MICROVLLM_MOE_IMPL is read when the layer is built, and the forward
+    decides nothing: changing the variable afterwards changes nothing."""
+    from microvllm.layers.fused_moe.layer import EXPERT_FUNCTIONS
+
+    monkeypatch.setenv("MICROVLLM_MOE_IMPL", "iterative")
+    from_env, explicit = FusedMoE(4, 2, 8, 6), FusedMoE(4, 2, 8, 6, impl="sorted")
+    monkeypatch.delenv("MICROVLLM_MOE_IMPL")
+    default = FusedMoE(4, 2, 8, 6)
+    assert (from_env.impl, explicit.impl, default.impl) == ("iterative", "sorted", "sorted")   # a CPU's default
+    monkeypatch.setenv("MICROVLLM_MOE_IMPL", "triton")
+    calls = []
+    monkeypatch.setitem(EXPERT_FUNCTIONS, "iterative", lambda *args: calls.append(1) or fused_moe_iterative(*args))
+    for param in from_env.parameters():
+        param.data.normal_()
+    from_env(torch.randn(3, 8), torch.randn(3, 4))
+    assert calls == [1] and from_env.impl == "iterative"
+
+
+def test_the_loader_asks_the_experts_to_choose_on_their_device(tmp_path, monkeypatch):
+    """load_model builds on the meta device; each MoE layer chooses again once its weights
+    are on theirs (on a GPU that choice is the Triton kernel)."""
+    devices = []
+    monkeypatch.setattr(FusedMoE, "choose_impl", lambda self: devices.append(self.w13_weight.device.type))
+    folder = make_tiny_model(tmp_path, "qwen3_moe", seed=5, tokenizer=False)
+    load_model(folder, get_attention_backend("torch"))
+    assert devices and devices[-1] == "cpu", devices
 
 
 @pytest.mark.slow   # the Triton attention kernels in their interpreter: ~10 s

@@ -82,8 +82,8 @@ def test_the_engine_caps_what_fits_at_what_could_be_used(tiny_models, monkeypatc
     monkeypatch.setattr(engine.executor, "initialize_kv_cache", allocated.append)
     monkeypatch.setattr(engine.executor, "determine_num_kv_blocks", lambda: 7)
     with caplog.at_level(logging.INFO, logger="microvllm"):
-        assert engine._initialize_kv_caches() == 7 == allocated[0]
+        assert engine.core._initialize_kv_caches() == 7 == allocated[0]
     assert any(m.startswith("KV cache: 7 blocks x 16 tokens") for m in caplog.messages)
     # Never more than max_num_seqs full-length requests could use: 4 x 4 blocks + the null block.
     monkeypatch.setattr(engine.executor, "determine_num_kv_blocks", lambda: 10**6)
-    assert engine._initialize_kv_caches() == 17
+    assert engine.core._initialize_kv_caches() == 17

@@ -398,7 +398,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.model_tag is not None:
         engine_args.model = args.model_tag
     if engine_args.data_parallel_size > 1 and engine_args.data_parallel_rank is None:   # N cores, one server
-        from microvllm.engine.core_client import DPAsyncLLM
+        from microvllm.engine.dp_async_llm import DPAsyncLLM
         engine = DPAsyncLLM.from_engine_args(engine_args)
     else:
         engine = AsyncLLM.from_engine_args(engine_args)

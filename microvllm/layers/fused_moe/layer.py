@@ -11,7 +11,7 @@ how to run them (vLLM: ``layers/fused_moe/layer.py``, same name and parameter na
           "sorted"      (b) moe_sorted.py             sort pairs by expert, one matmul each
           "triton"      (c) fused_moe.py              all experts in one Triton kernel
         (default: "triton" on a GPU, "sorted" on a CPU; ``impl=`` or
-        ``MICROVLLM_MOE_IMPL`` choose)
+        ``MICROVLLM_MOE_IMPL`` choose; chosen once, never in the forward)
 
 Hugging Face checkpoints keep one tensor per expert and projection
 (``experts.3.gate_proj.weight``); the loader hands each to ``weight_loader`` with a shard
@@ -75,7 +75,8 @@ class FusedMoE(CustomOp):
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
         self.global_num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.impl = check_moe_impl(impl)
+        # How the experts run: impl=, else $MICROVLLM_MOE_IMPL, read once, here; None: the device's default.
+        self.requested_impl = check_moe_impl(impl) or check_moe_impl(envs.moe_impl())
         self.ep_group = get_ep_group()
         if self.ep_group.world_size > 1:      # whole experts, split over the ranks
             self.num_local_experts = divide(num_experts, self.ep_group.world_size, "num_experts")
@@ -92,6 +93,8 @@ class FusedMoE(CustomOp):
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader
         self.expert_load: torch.Tensor | None = None   # [E] pairs routed since the last read
+        # For the device the weights are made on; load_model, which makes them on "meta", asks again.
+        self.choose_impl()
 
     # ------------------------------------------------------------------ loading
     def expert_map(self) -> torch.Tensor:
@@ -121,13 +124,10 @@ class FusedMoE(CustomOp):
             param.data[local].copy_(loaded_weight[:, rank * shard:(rank + 1) * shard])
 
     # ------------------------------------------------------------------ forward
-    def resolved_impl(self, device: torch.device) -> str:
-        impl = self.impl or check_moe_impl(envs.moe_impl())
-        return impl or ("triton" if device.type == "cuda" else "sorted")
-
     def run_experts(self, hidden, topk_weights, local_ids) -> torch.Tensor:
-        """This rank's experts on ``hidden`` (``local_ids`` -1: not here, contributes 0)."""
-        run = EXPERT_FUNCTIONS[self.resolved_impl(hidden.device)]
+        """This rank's experts on ``hidden`` (``local_ids`` -1: not here, contributes 0), run
+        the way ``choose_impl`` chose: nothing is decided here, on every layer's every step."""
+        run = EXPERT_FUNCTIONS[self.impl]
         return run(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids)
 
     def forward_native(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -144,6 +144,13 @@ class FusedMoE(CustomOp):
         if self.expert_load is None:
             self.expert_load = torch.zeros(self.global_num_experts, dtype=torch.long, device=flat.device)
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+
+    def choose_impl(self) -> None:
+        """Settle ``self.impl``, how the experts run, once the weights are on their device:
+        ``impl=``, else ``$MICROVLLM_MOE_IMPL`` (both read when the layer was built), else the
+        device's default, the Triton kernel on a GPU and the sorted experts elsewhere (vLLM
+        chooses its fused-MoE kernel once too, when the layer is built on its platform)."""
+        self.impl = self.requested_impl or ("triton" if self.w13_weight.device.type == "cuda" else "sorted")
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_local_experts}/{self.global_num_experts} (first {self.first_expert}), "

@@ -46,8 +46,11 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+# The worker side's report lives in core, which reads it and must not import from here;
+# named here too so that a connector finds all of its seam in one module.
+from microvllm.core.outputs import KVConnectorOutput  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from microvllm.config import EngineConfig
@@ -69,28 +72,10 @@ class KVConnectorMetadata:  # noqa: B903 (a marker base, as vLLM's)
     subclasses it). It travels inside the plan, so it must pickle."""
 
 
-@dataclass
-class KVConnectorOutput:
-    """What the worker side reports after a step (vLLM: ``vllm/v1/outputs.py``):
-    requests whose blocks finished being saved / sent, and being loaded / received."""
-
-    finished_sending: set[str] | None = None
-    finished_recving: set[str] | None = None
-    # Loads that failed (vLLM: invalid_block_ids, kv_load_failure_policy "recompute"): the
-    # scheduler frees those requests' blocks and they compute their prompt instead.
-    failed_recving: set[str] | None = None
-    # Saves that failed (each also in finished_sending: its blocks are freed as usual); the
-    # connector's scheduler side must not count them as saved (OffloadingConnector: its
-    # tier is then off).
-    failed_sending: set[str] | None = None
-
-    def is_empty(self) -> bool:
-        return not self.finished_sending and not self.finished_recving and not self.failed_recving \
-            and not self.failed_sending
-
-
 class KVConnectorBase(ABC):
-    """Base of every KV connector. One instance per side: ``role`` says which.
+    """Base of every KV connector. One instance per side: ``role`` says which. The
+    scheduler knows its scheduler side only as ``core``'s ``SchedulerConnector`` (the same
+    method names), so that core never imports this module.
 
     ``num_kv_blocks``: the engine's KV pool (blocks per layer, the null block included);
     ``kv_cache_specs``: one spec per cache group (``core/kv_cache_spec.py``).
