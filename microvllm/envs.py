@@ -10,9 +10,9 @@
                        the grammar cache (default here 64; vLLM's is 512)
     VLLM_MAX_N_SEQUENCES     vLLM's name: the largest ``n`` the server accepts (default
                        here 64; vLLM's is 16384)
-    VLLM_ENABLE_V1_MULTIPROCESSING   vLLM's name: 1 runs ``LLM``'s engine core in a
-                       process of its own (``SyncMPClient``); default here 0, the core in
-                       the caller's process (``InprocClient``), which a notebook can step
+    VLLM_ENABLE_V1_MULTIPROCESSING   vLLM's name: 1 runs the engine core in a process of
+                       its own (``SyncMPClient``), 0 in the caller's (``InprocClient``, which
+                       a notebook can step); unset: 0 for ``LLM``, 1 for ``microvllm serve``
     VLLM_SERVER_DEV_MODE     vLLM's name: 1 adds the server's development endpoints
                        (``POST /reset_prefix_cache``); off by default, as any client could
                        otherwise empty every user's prefix cache
@@ -83,6 +83,8 @@ def server_dev_mode() -> bool:
     return os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
 
 
-def enable_v1_multiprocessing() -> bool:
-    """``$VLLM_ENABLE_V1_MULTIPROCESSING`` (vLLM's switch; default off here, on in vLLM)."""
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").strip().lower() in ("1", "true", "yes")
+def enable_v1_multiprocessing(default: bool = False) -> bool:
+    """``$VLLM_ENABLE_V1_MULTIPROCESSING`` (vLLM's switch, on there by default); unset:
+    ``default`` (off for ``LLM``, so that a notebook can step the core; on for ``serve``)."""
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip().lower()
+    return default if not value else value in ("1", "true", "yes")

@@ -4,10 +4,12 @@ another (the process plumbing itself is ``microvllm/testing/``, which the benche
     Server          ``microvllm serve`` on a tiny model with the tests' small limits
     ThreadServer    an ASGI app served by uvicorn from a thread of this process
     assert_400, healthy_and_serving     what a hostile-client test checks after each attack
+    core_pids, alive    a server's engine-core processes, and whether a pid still runs
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -21,8 +23,8 @@ LLM_SETTINGS = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=
 STARTUP_TIMEOUT = 180.0
 ROUTER = vllm_router_binary() or "vllm-router (not installed)"
 
-__all__ = ["LLM_SETTINGS", "ROOT", "ROUTER", "SETTINGS", "STARTUP_TIMEOUT", "Server", "ThreadServer", "assert_400",
-           "free_port", "free_ports", "healthy_and_serving", "wait_for"]
+__all__ = ["LLM_SETTINGS", "ROOT", "ROUTER", "SETTINGS", "STARTUP_TIMEOUT", "Server", "ThreadServer", "alive",
+           "assert_400", "core_pids", "free_port", "free_ports", "healthy_and_serving", "wait_for"]
 
 
 class Server(ServeProcess):
@@ -72,3 +74,31 @@ def assert_400(response, field: str | None, *words: str) -> None:
         assert field in error["message"], error
     for word in words:
         assert word in error["message"], error
+
+
+def core_pids(server_pid: int) -> list[int]:
+    """The engine-core processes: the server's children started by multiprocessing's spawn
+    (not its resource tracker)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and \
+                b"spawn_main" in open(f"/proc/{entry}/cmdline", "rb").read():
+            pids.append(int(entry))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

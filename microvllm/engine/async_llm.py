@@ -19,6 +19,12 @@ through one asyncio queue per request::
     client gone: generate is cancelled
       ── ("abort", id) ─────────────────────>   engine.abort_request(id): its blocks are freed
 
+With ``multiprocess=True`` (``microvllm serve``'s default) the engine's core runs in a
+process of its own (``SyncMPClient``, ``engine/core_proc.py``): the thread above then only
+feeds it and detokenizes, waiting at most ``COMMAND_POLL_S`` for each of its steps, while
+the forward runs on the other process's cores, not under this process's GIL. (vLLM's
+``AsyncMPClient`` does the same from an asyncio task.)
+
 Outputs are copied before they cross threads: the engine keeps mutating its own
 ``CompletionOutput`` objects step after step. The loop also keeps the serving
 metrics (``ServingMetrics``: TTFT, inter-token latency, queue sizes) that
@@ -48,6 +54,8 @@ from microvllm.sampling_params import RequestOutputKind, SamplingParams
 from microvllm.structured_output.compile_workers import CompileCancelled, GrammarCompileWorkers
 
 logger = logging.getLogger(__name__)
+
+COMMAND_POLL_S = 0.02   # a core in another process: how long a wait for its outputs may delay a command
 
 
 class RequestFailedError(RuntimeError):
@@ -113,11 +121,13 @@ class AsyncLLM(EngineClient):
         llm.shutdown()
     """
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, *, multiprocess: bool | None = None, **kwargs):
         check_engine_options(kwargs)
         self.engine_args = EngineArgs(model=model, **kwargs)
         # A server must outlive one bad request: a step's exception fails that request only.
-        self.engine = Engine.from_engine_args(self.engine_args, fault_isolation=True)
+        # multiprocess: the engine core in a process of its own (serve's default), this
+        # thread then only feeds it and turns its outputs into text.
+        self.engine = Engine.from_engine_args(self.engine_args, fault_isolation=True, multiprocess=multiprocess)
         self.metrics = ServingMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (event loop, asyncio.Queue); touched by both threads, under the lock.
@@ -137,8 +147,8 @@ class AsyncLLM(EngineClient):
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
-        return cls(**dataclasses.asdict(engine_args))
+    def from_engine_args(cls, engine_args: EngineArgs, *, multiprocess: bool | None = None) -> "AsyncLLM":
+        return cls(**dataclasses.asdict(engine_args), multiprocess=multiprocess)
 
     # ------------------------------------------------------------ the API
     @property
@@ -198,7 +208,7 @@ class AsyncLLM(EngineClient):
         ``structured_outputs_compile_timeout``. ``ValueError`` for a spec that breaks a
         limit, does not compile, crashes the compiler or takes too long; cancelling the
         caller (the client went away) kills the compile."""
-        manager = self.engine.structured_output_manager
+        manager = self.engine.input_processor.structured_output_manager
         job, grammars = await self.run_on_tokenizer_thread(functools.partial(manager.prepare, params, params.n))
         if grammars is None:
             try:
@@ -265,7 +275,9 @@ class AsyncLLM(EngineClient):
                 if self._stopping.is_set():
                     break
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
+                    # A core in another process: wait a little for its next step, then look
+                    # at the commands again (a new request, a client gone).
+                    outputs = self.engine.step(timeout=COMMAND_POLL_S)
                     now = time.monotonic()
                     for out in outputs:
                         self.metrics.on_output(out, now)
@@ -347,7 +359,7 @@ class AsyncLLM(EngineClient):
     def _update_gauges(self) -> None:
         """The gauges from the core's last stats (``core/stats.py``), after a step or a
         command (an abort frees blocks between steps)."""
-        stats = self.engine.core.make_stats()
+        stats = self.engine.get_stats()
         self.metrics.set_gauges(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage,
                                 self.engine.prefix_cache_queries, self.engine.prefix_cache_hits)
         if stats.spec_decoding is not None:

@@ -25,6 +25,7 @@ from multiprocessing import get_context
 
 import zmq
 
+from microvllm.core.stats import SchedulerStats
 from microvllm.engine.core import EngineCore, EngineCoreOutputs, EngineCoreRequest
 from microvllm.engine.core_proc import (
     ABORT,
@@ -33,6 +34,7 @@ from microvllm.engine.core_proc import (
     OUTPUTS,
     READY,
     SHUTDOWN,
+    STATS,
     UTILITY,
     UTILITY_OUTPUT,
     EngineCoreProc,
@@ -49,8 +51,9 @@ class InprocClient:
     def __init__(self, *args, **kwargs):
         self.engine_core = EngineCore(*args, **kwargs)
 
-    def get_output(self) -> EngineCoreOutputs:
-        """Run one step of the core; what it produced."""
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """Run one step of the core; what it produced (``timeout``: unused, a step here is
+        never waited for)."""
         return self.engine_core.step()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -101,12 +104,17 @@ class SyncMPClient:
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
+        # A PUSH with no peer (the core gone, or not yet up) blocks a send: wait 1 s at most.
+        self._input.setsockopt(zmq.SNDTIMEO, 1000)
         self._input.bind(input_address)
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
         self._encoder = MsgpackEncoder()
         self._outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._stats_decoder = MsgpackDecoder(SchedulerStats)
+        # The core's state as its last message said (gauges: read when no step follows).
+        self.latest_stats: SchedulerStats | None = None
         self._decoder = MsgpackDecoder()
         self._send_lock = threading.Lock()    # a ZMQ socket is not thread-safe
         self._outputs: queue.Queue = queue.Queue()
@@ -138,8 +146,8 @@ class SyncMPClient:
                 kind, payload = self._output.recv_multipart()
                 if kind == READY:
                     return self._decoder.decode(payload)
-                if kind == DEAD:
-                    raise RuntimeError(self._decoder.decode(payload))
+                if kind == DEAD:   # a bad setting is a ValueError here as it would be in-process
+                    raise _error_of(*self._decoder.decode(payload))
             elif not self.process.is_alive():
                 raise RuntimeError(f"the engine core process exited with code {self.process.exitcode} while "
                                    "starting: its error is printed above")
@@ -161,14 +169,19 @@ class SyncMPClient:
             except zmq.ZMQError:   # the context was destroyed: shut down
                 return
             if kind == OUTPUTS:
-                self._outputs.put(self._outputs_decoder.decode(payload))
+                outputs = self._outputs_decoder.decode(payload)
+                self.latest_stats = outputs.scheduler_stats or self.latest_stats
+                self._outputs.put(outputs)
+            elif kind == STATS:
+                self.latest_stats = self._stats_decoder.decode(payload)
             elif kind == UTILITY_OUTPUT:
                 call_id, result, error = self._decoder.decode(payload)
                 answer = self._calls.pop(call_id, None)
                 if answer is not None:
                     answer.put((result, error))
             elif kind == DEAD:
-                self._die(f"the engine core failed: {self._decoder.decode(payload)}")
+                error_type, message = self._decoder.decode(payload)
+                self._die(f"the engine core failed: {error_type}: {message}")
                 return
 
     def _die(self, message: str) -> None:
@@ -180,8 +193,11 @@ class SyncMPClient:
     def _send(self, kind: bytes, payload) -> None:
         if self.dead_error is not None:
             raise self.dead_error
-        with self._send_lock:
-            self._input.send_multipart([kind, self._encoder.encode(payload)])
+        try:
+            with self._send_lock:
+                self._input.send_multipart([kind, self._encoder.encode(payload)])
+        except zmq.Again:
+            raise self.dead_error or EngineDeadError("the engine core takes no input: its process is gone") from None
 
     def call_utility(self, method: str, *args):
         """Run ``EngineCore.<method>(*args)`` in the core's process, between two of its
@@ -193,17 +209,19 @@ class SyncMPClient:
         self._send(UTILITY, (call_id, method, list(args)))
         result, error = answer.get()
         if error is not None:
-            kind, message = error
-            raise {"ValueError": ValueError, "PoolTooSmallError": ValueError, "TypeError": TypeError,
-                   "EngineDeadError": EngineDeadError}.get(kind, RuntimeError)(message)
+            raise _error_of(*error)
         return result
 
     # ------------------------------------------------------------ the API
-    def get_output(self) -> EngineCoreOutputs:
-        """The next step's outputs (blocks until the core sends them)."""
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        """The next step's outputs (blocks until the core sends them, or ``timeout``
+        seconds: then None)."""
         if self.dead_error is not None:
             raise self.dead_error
-        outputs = self._outputs.get()
+        try:
+            outputs = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
         if isinstance(outputs, BaseException):
             raise outputs
         return outputs
@@ -239,9 +257,8 @@ class SyncMPClient:
         self._stopping.set()
         if self.process.is_alive() and self.dead_error is None:
             try:
-                with self._send_lock:
-                    self._input.send_multipart([SHUTDOWN, self._encoder.encode(None)])
-            except Exception:  # noqa: BLE001 - it is going anyway
+                self._send(SHUTDOWN, None)
+            except Exception:  # noqa: BLE001 - it is going anyway (killed below if not)
                 pass
         self.process.join(timeout)
         if self.process.is_alive():
@@ -249,3 +266,11 @@ class SyncMPClient:
             self.process.join(5)
         self._context.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+def _error_of(error_type: str, message: str) -> Exception:
+    """The exception a core reported by name, as the kind a caller catches (a bad request or
+    setting: ``ValueError``, a server's 400); anything else a ``RuntimeError``."""
+    kinds: dict[str, type[Exception]] = {"ValueError": ValueError, "PoolTooSmallError": ValueError,
+                                         "TypeError": TypeError, "EngineDeadError": EngineDeadError}
+    return kinds.get(error_type, RuntimeError)(message)

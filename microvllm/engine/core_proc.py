@@ -13,9 +13,10 @@ front end's process (``SyncMPClient``, ``engine/core_client.py``)::
                                                                  one EngineCore.step() if any
                                                                  request is unfinished
                  <─ PULL ─ [OUTPUTS, EngineCoreOutputs] ─── PUSH <─ output thread <─ output_queue
+                           [STATS, SchedulerStats]     after an abort (no step may follow)
                            [UTILITY_OUTPUT, (call id, result, error)]
                            [READY, {num_kv_blocks, max_prompt_tokens}]   once, after the model loads
-                           [DEAD, message]                               the core failed: it exits 1
+                           [DEAD, (error type, message)]                 the core failed: it exits 1
 
 Every message is msgspec (``engine/serial_utils.py``): a socket that unpickled could be
 made to run anything. The threads do the (de)serializing and the socket waits, so the
@@ -36,6 +37,11 @@ import time
 import traceback
 from typing import Any
 
+import zmq
+
+from microvllm.core.outputs import EngineCoreOutput
+from microvllm.engine.core import EngineCore, EngineCoreOutputs, EngineCoreRequest
+from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from microvllm.executor.multiproc_executor import _exit_when_orphaned
 
 logger = logging.getLogger(__name__)
@@ -43,7 +49,7 @@ logger = logging.getLogger(__name__)
 # vLLM's EngineCoreRequestType values (the first frame of a message to the core).
 ADD, ABORT, UTILITY, SHUTDOWN = b"\x00", b"\x01", b"\x03", b"\x09"
 # The first frame of a message from the core.
-OUTPUTS, UTILITY_OUTPUT, READY, DEAD = b"o", b"u", b"r", b"d"
+OUTPUTS, STATS, UTILITY_OUTPUT, READY, DEAD = b"o", b"s", b"u", b"r", b"d"
 # What a client may call on the core by name (UTILITY): nothing else is reachable.
 UTILITY_METHODS = frozenset({"check_fits", "check_kv_transfer_params", "request_refused",
                              "reset_prefix_cache", "check_invariants"})
@@ -52,27 +58,20 @@ UTILITY_METHODS = frozenset({"check_fits", "check_kv_transfer_params", "request_
 class EngineCoreProc:
     """The busy loop of an engine core in its own process (vLLM: ``run_busy_loop``)."""
 
-    def __init__(self, config, core_kwargs: dict, input_address: str, output_address: str):
-        import zmq
-
-        from microvllm.engine.core import EngineCore, EngineCoreRequest
-        from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
-
+    def __init__(self, input_address: str, output_address: str):
         self.context = zmq.Context()
-        self.output_address = output_address
+        self.input_address, self.output_address = input_address, output_address
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self.request_decoder = MsgpackDecoder(EngineCoreRequest)
         self.decoder = MsgpackDecoder()
         self.encoder = MsgpackEncoder()
         threading.Thread(target=self._send_outputs, name="microvllm-core-output", daemon=True).start()
-        try:
-            self.engine_core = EngineCore(config, **core_kwargs)
-        except BaseException as error:
-            self.output_queue.put((DEAD, f"the engine core failed to start: {error!r}"))
-            self._flush_outputs()
-            raise
-        threading.Thread(target=self._read_inputs, args=(input_address,), name="microvllm-core-input",
+
+    def start_core(self, config, core_kwargs: dict) -> None:
+        """Load the model and size the KV cache, then take input and say READY."""
+        self.engine_core = EngineCore(config, **core_kwargs)
+        threading.Thread(target=self._read_inputs, args=(self.input_address,), name="microvllm-core-input",
                          daemon=True).start()
         self.output_queue.put((READY, {"num_kv_blocks": self.engine_core.num_kv_blocks,
                                        "max_prompt_tokens": self.engine_core.max_prompt_tokens()}))
@@ -80,31 +79,38 @@ class EngineCoreProc:
     # ------------------------------------------------------------ threads
     def _read_inputs(self, address: str) -> None:
         """The input thread: decode each message and queue it for the busy loop."""
-        import zmq
         socket = self.context.socket(zmq.PULL)
         socket.connect(address)
         while True:
-            kind, payload = socket.recv_multipart()
+            try:
+                kind, payload = socket.recv_multipart()
+            except zmq.ContextTerminated:   # the process is exiting
+                socket.close(linger=0)
+                return
             decoder = self.request_decoder if kind == ADD else self.decoder
             self.input_queue.put((kind, decoder.decode(payload)))
 
     def _send_outputs(self) -> None:
         """The output thread: encode each output and send it (vLLM: ``process_output_sockets``)."""
-        import zmq
         socket = self.context.socket(zmq.PUSH)
-        socket.setsockopt(zmq.LINGER, 2000)
         socket.connect(self.output_address)
         while True:
             kind, payload = self.output_queue.get()
-            if kind is None:   # _flush_outputs: everything before it is sent
+            if kind is None:   # close(): everything before it is on its way
+                socket.close(linger=2000)
                 payload.set()
-                continue
+                return
             socket.send_multipart([kind, self.encoder.encode(payload)])
 
-    def _flush_outputs(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (the socket lingers up to 2 s for it to leave), then end
+        both threads: a thread left blocked on a socket would hold the process's exit."""
         sent = threading.Event()
         self.output_queue.put((None, sent))
         sent.wait(timeout)
+        ended = threading.Thread(target=self.context.term, daemon=True)   # the input thread then closes
+        ended.start()
+        ended.join(timeout)
 
     # ---------------------------------------------------------- busy loop
     def run_busy_loop(self) -> None:
@@ -129,9 +135,6 @@ class EngineCoreProc:
             block = False
 
     def _handle(self, kind: bytes, payload: Any) -> None:
-        from microvllm.core.outputs import EngineCoreOutput
-        from microvllm.engine.core import EngineCoreOutputs
-
         core = self.engine_core
         if kind == ADD:
             kv_transfer_params = None
@@ -148,6 +151,8 @@ class EngineCoreProc:
         elif kind == ABORT:
             request_ids, stop_string = payload
             core.abort_requests(request_ids, stop_string=stop_string)
+            # Its blocks are free now: the gauges must say so even if no step follows.
+            self.output_queue.put((STATS, core.make_stats()))
         elif kind == UTILITY:
             call_id, method, args = payload
             failed: tuple[str, str] | None = None
@@ -162,16 +167,19 @@ class EngineCoreProc:
     @staticmethod
     def run_engine_core(config, core_kwargs: dict, input_address: str, output_address: str,
                         parent_pid: int) -> None:
-        """The process's entry point (``multiprocessing`` spawn)."""
+        """The process's entry point (``multiprocessing`` spawn). Exits 0 after SHUTDOWN, 1
+        after sending DEAD (a failed start or step); the client sees either."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the front end, which decides
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-        proc = EngineCoreProc(config, core_kwargs, input_address, output_address)
+        proc = EngineCoreProc(input_address, output_address)
         try:
+            proc.start_core(config, core_kwargs)
             proc.run_busy_loop()
+            proc.engine_core.shutdown()
+            code = 0
         except BaseException as error:  # noqa: BLE001 - the client must hear why
             logger.error("the engine core failed:\n%s", traceback.format_exc())
-            proc.output_queue.put((DEAD, f"{type(error).__name__}: {error}"))
-            proc._flush_outputs()
-            os._exit(1)
-        proc.engine_core.shutdown()
-        proc._flush_outputs()
+            proc.output_queue.put((DEAD, (type(error).__name__, str(error))))
+            code = 1
+        proc.close()
+        os._exit(code)   # at once: what is left to run at exit (torch's, zmq's) could only hang

@@ -13,9 +13,11 @@
         engine_core.abort_requests(stopped, ...)          a stop string ends its sample in the core
         return outputs                                    RequestOutput per request that moved
 
-The client here is an ``InprocClient``: the core runs in this process, one step per
-``step()`` call, so a notebook cell can step it and look inside (``engine.scheduler``,
-``engine.kv_cache_manager``: the core's own). The front end never touches a block or
+The client is an ``InprocClient`` by default: the core runs in this process, one step
+per ``step()`` call, so a notebook cell can step it and look inside (``engine.scheduler``,
+``engine.kv_cache_manager``: the core's own). With ``VLLM_ENABLE_V1_MULTIPROCESSING=1``
+(vLLM's default) it is a ``SyncMPClient``: the core steps by itself in a process of its
+own, and ``step()`` takes its next step's outputs. The front end never touches a block or
 a tensor; the core never touches text.
 """
 
@@ -208,9 +210,13 @@ class Engine:
         return self.output_processor.num_unfinished()
 
     # ---------------------------------------------------------------- step
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; return a ``RequestOutput`` for every request that changed."""
-        core_outputs = self.engine_core.get_output()
+    def step(self, timeout: float | None = None) -> list[RequestOutput]:
+        """Run one engine step; return a ``RequestOutput`` for every request that changed.
+        ``timeout``: a core in another process steps by itself; wait at most this long for
+        its next step (none came: ``[]``)."""
+        core_outputs = self.engine_core.get_output() if timeout is None else self.engine_core.get_output(timeout)
+        if core_outputs is None:
+            return []
         outputs, stopped, failed = self.output_processor.process(core_outputs.outputs)
         if stopped:   # stop strings, found by the detokenizer
             self.engine_core.abort_requests(stopped, stop_string=True)
@@ -226,7 +232,7 @@ class Engine:
         """The core's state now (a core in another process: as its last step left it)."""
         if isinstance(self.engine_core, InprocClient):
             return self.core.make_stats()
-        return self.scheduler_stats
+        return self.engine_core.latest_stats or self.scheduler_stats
 
     def _record_stats(self, stats: SchedulerStats) -> None:
         """Add a step's counts to the engine's totals (vLLM: the stat loggers)."""
@@ -259,12 +265,13 @@ class Engine:
 
     # ------------------------------------------------------ vLLM's surface
     @classmethod
-    def from_engine_args(cls, engine_args, *, fault_isolation: bool = False) -> "Engine":
+    def from_engine_args(cls, engine_args, *, fault_isolation: bool = False,
+                         multiprocess: bool | None = None) -> "Engine":
         """Build an engine from ``EngineArgs`` (vLLM's ``LLMEngine.from_engine_args``): the
         resolved config, and the course's hooks beside it."""
         return cls(engine_args.create_engine_config(), components=engine_args.components,
                    trace=engine_args.trace, debug_invariants=engine_args.debug_invariants,
-                   fault_isolation=fault_isolation)
+                   fault_isolation=fault_isolation, multiprocess=multiprocess)
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer (vLLM's ``get_tokenizer``); None for a folder without one."""

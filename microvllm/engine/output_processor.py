@@ -125,6 +125,8 @@ class OutputProcessor:
                 continue   # its request failed or was aborted earlier
             child = found
             completion, parent = child.completion, child.parent
+            if completion.finish_reason is not None:
+                continue   # ended here (a stop string) while the core, in its own process, ran on
             if core.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
                 # By position: a recomputed chunk (after preemption) overwrites the same slots.
                 lists = core.new_prompt_logprobs

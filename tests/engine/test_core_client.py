@@ -140,3 +140,19 @@ def test_only_plain_data_crosses_the_socket():
         MsgpackEncoder().encode(EngineCoreRequest("a", [1], params, None, 0.0, grammar=Anything()))
     with pytest.raises(msgspec.ValidationError):   # a malformed message is refused field by field
         MsgpackDecoder(EngineCoreRequest).decode(msgspec.msgpack.encode({"request_id": 7}))
+
+
+def test_a_core_that_cannot_start_says_why_and_leaves_no_process(tmp_path, monkeypatch):
+    """The weights are loaded in the core's process: a broken file there is an error here,
+    raised within seconds (the startup handshake), with the core's own words."""
+    import multiprocessing
+
+    folder = make_tiny_model(tmp_path / "broken", "llama")
+    weights = next(folder.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])   # truncated: the header promises more
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):   # the loader's own words
+        LLM(str(folder), max_model_len=64)
+    assert time.monotonic() - started < 60
+    assert not [p for p in multiprocessing.active_children() if p.name == "microvllm-engine-core"]

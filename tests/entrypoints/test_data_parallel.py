@@ -23,7 +23,7 @@ import pytest
 
 from microvllm import LLM
 from microvllm.models.tiny import make_tiny_model
-from tests.support import LLM_SETTINGS, SETTINGS, STARTUP_TIMEOUT, Server, free_port, wait_for
+from tests.support import LLM_SETTINGS, SETTINGS, STARTUP_TIMEOUT, Server, alive, core_pids, free_port, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,34 +36,6 @@ def per_engine(url: str, name: str) -> dict[str, float]:
         if match:
             values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
     return values
-
-
-def core_pids(server_pid: int) -> list[int]:
-    """The engine-core processes: the server's children started by multiprocessing's spawn
-    (not its resource tracker)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = open(f"/proc/{entry}/stat").read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and \
-                b"spawn_main" in open(f"/proc/{entry}/cmdline", "rb").read():
-            pids.append(int(entry))
-    return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @dataclass

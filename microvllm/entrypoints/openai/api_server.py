@@ -22,6 +22,11 @@ or wrong API key 401; an unknown model or route 404; headers or a body slower th
 engine 500 (the engine goes on: ``engine/fault_isolation.py``). No exception escapes to
 uvicorn, so a failed request never breaks the next one on the same connection.
 
+The engine core (the scheduler and the model) runs in a process of its own, as vLLM's
+does (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: in a thread of this one): this process
+tokenizes, detokenizes and speaks HTTP. A core that dies ends every stream with an
+error within a second, and the server exits with status 1.
+
 SIGTERM (or Ctrl-C): uvicorn stops accepting; open streams get ``--shutdown-timeout``
 seconds, then every request still running is aborted: a stream ends with a last chunk
 whose ``finish_reason`` is ``"abort"`` and ``data: [DONE]``, a plain request gets a 503.
@@ -400,8 +405,8 @@ def run_server(args: argparse.Namespace) -> int:
     if engine_args.data_parallel_size > 1 and engine_args.data_parallel_rank is None:   # N cores, one server
         from microvllm.engine.dp_async_llm import DPAsyncLLM
         engine = DPAsyncLLM.from_engine_args(engine_args)
-    else:
-        engine = AsyncLLM.from_engine_args(engine_args)
+    else:   # the engine core in a process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0
+        engine = AsyncLLM.from_engine_args(engine_args, multiprocess=envs.enable_v1_multiprocessing(default=True))
     served = args.served_model_name or [engine_args.model or EMBEDDED_MODEL_NAME]
     api_key = getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY") or None
     server: uvicorn.Server | None = None
