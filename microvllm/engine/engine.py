@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["Engine", "LLMEngine", "ProcessedRequest"]
 
 
+def _of_the_core(name: str) -> property:
+    """``engine.<name>``: the ``EngineCore``'s own (in this process only)."""
+    return property(lambda self: getattr(self.core, name), doc=f"The engine core's ``{name}``.")
+
+
 class Engine:
     """Built from a frozen ``EngineConfig`` (``EngineArgs.create_engine_config()``; or
     ``Engine.from_engine_args``) and, beside it, the course's hooks, which go to the
@@ -113,41 +118,16 @@ class Engine:
                                  "multiprocess=False) to step the core in this process")
         return self.engine_core.engine_core
 
-    @property
-    def scheduler(self):
-        return self.core.scheduler
-
-    @property
-    def kv_cache_manager(self):
-        return self.core.kv_cache_manager
-
-    @property
-    def executor(self):
-        return self.core.executor
-
-    @property
-    def platform(self):
-        return self.core.platform
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.core.num_kv_blocks
-
-    @property
-    def structured_output_manager(self):
-        return self.core.structured_output_manager
-
-    @property
-    def kv_event_publisher(self):
-        return self.core.kv_event_publisher
-
-    @property
-    def tracer(self):
-        return self.core.tracer
-
-    @property
-    def num_steps(self) -> int:
-        return self.core.num_steps
+    # Read through to the core (each raises with a core in another process, as ``core`` does).
+    scheduler = _of_the_core("scheduler")
+    kv_cache_manager = _of_the_core("kv_cache_manager")
+    executor = _of_the_core("executor")
+    platform = _of_the_core("platform")
+    num_kv_blocks = _of_the_core("num_kv_blocks")
+    structured_output_manager = _of_the_core("structured_output_manager")
+    kv_event_publisher = _of_the_core("kv_event_publisher")
+    tracer = _of_the_core("tracer")
+    num_steps = _of_the_core("num_steps")
 
     @property
     def fault_isolation(self) -> FaultIsolation | None:

@@ -8,17 +8,21 @@ import microvllm.core
 FORBIDDEN = {"torch", "numpy", "triton"}
 
 
-def test_no_tensor_library_imports_in_core():
-    core_dir = Path(microvllm.core.__file__).parent
-    offenders = []
-    for path in sorted(core_dir.glob("*.py")):
+def core_imports() -> list[tuple[str, int, str]]:
+    """(file, line, module) of every import in core/, ``TYPE_CHECKING`` blocks included."""
+    found = []
+    for path in sorted(Path(microvllm.core.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = []
             if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
+                found += [(path.name, node.lineno, alias.name) for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{path.name}: import {n}" for n in names if n.split(".")[0] in FORBIDDEN]
+                found.append((path.name, node.lineno, node.module))
+    return found
+
+
+def test_no_tensor_library_imports_in_core():
+    offenders = [f"{name}: import {module}" for name, _, module in core_imports()
+                 if module.split(".")[0] in FORBIDDEN]
     assert not offenders, f"microvllm/core must stay pure Python: {offenders}"
 
 
@@ -26,16 +30,7 @@ def test_core_imports_nothing_from_distributed():
     """The KV connectors live above core; the scheduler sees one only through
     ``core/kv_connector_protocol.py``. Type-only imports count too: a type is a dependency
     a reader must follow."""
-    core_dir = Path(microvllm.core.__file__).parent
-    offenders = []
-    for path in sorted(core_dir.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{path.name}:{node.lineno}: import {n}" for n in names
-                          if n.startswith("microvllm.distributed")]
+    offenders = [f"{name}:{line}: import {module}" for name, line, module in core_imports()
+                 if module.startswith("microvllm.distributed")]
     assert not offenders, ("microvllm/core must not import from microvllm.distributed: name what it "
                            f"needs in core/kv_connector_protocol.py instead: {offenders}")
