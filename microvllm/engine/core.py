@@ -138,7 +138,7 @@ class EngineCore:
             token_trie=component(components, "token_trie", TokenTrie),   # the course backend's vocabulary trie
             limits=config.structured_outputs_config, cache_bytes=envs.xgrammar_cache_bytes())
         self.tracer = StepTracer(self.scheduler, model_config.hf_config.vocab_size) if trace else None
-        self._pending_trace: tuple | None = None   # the last step's record, finished by flush_trace()
+        self._last_step: tuple | None = None   # what the last step's trace record was made of
         # Serving sets this: a step's exception then fails only the request at fault.
         # Offline (None) it is raised, as vLLM's LLM does.
         self.fault_isolation = FaultIsolation() if fault_isolation else None
@@ -239,14 +239,15 @@ class EngineCore:
         ignored. ``stop_string``: the front end found a stop string in their text (the
         trace then shows them finished by the step that produced it)."""
         request_ids = [r for r in request_ids if r in self.scheduler.requests]
-        if not stop_string:
-            self.flush_trace()
-        elif self._pending_trace is not None:
-            self._pending_trace[-1].extend(request_ids)
         if request_ids:
             self.scheduler.finish_requests(
                 request_ids, RequestStatus.FINISHED_STOPPED if stop_string else RequestStatus.FINISHED_ABORTED)
         self._forget_finished_grammars()
+        if stop_string and request_ids and self._last_step is not None:
+            self._last_step[-1].extend(request_ids)
+            self._record_step(redo=True)   # the step's record shows them finished, their blocks freed
+        else:
+            self._last_step = None   # anything else is between two steps: the next record shows it
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -254,7 +255,7 @@ class EngineCore:
     # ---------------------------------------------------------------- step
     def step(self) -> EngineCoreOutputs:
         """One step: schedule, execute, update (vLLM: ``EngineCore.step``)."""
-        self.flush_trace()
+        self._last_step = None
         failed = self._fail_connector_casualties()   # never scheduled
         plan = self.schedule()
         traced = self.tracer.begin(plan) if self.tracer is not None else None
@@ -306,8 +307,9 @@ class EngineCore:
                     for rid, lists in prompt_logprobs.items()]
         outputs += failed + self._fail_connector_casualties()   # a connector call of this update raised
         self._forget_finished_grammars()
-        if self.tracer is not None:   # finished at the next call: stop strings may still end some
-            self._pending_trace = (plan, traced, core_outputs, model_output, [])
+        if self.tracer is not None:
+            self._last_step = (plan, traced, core_outputs, model_output, [])
+            self._record_step()
         if self.debug_invariants:
             self.scheduler.check_invariants()
         self.num_steps += 1
@@ -337,22 +339,18 @@ class EngineCore:
             self._kv_moved = moved
         return stats
 
-    def flush_trace(self) -> None:
-        """Finish the last step's trace record: its pool snapshot is taken once the front
-        end has ended the requests that hit a stop string in that step."""
-        if self._pending_trace is None or self.tracer is None:
-            return
-        plan, traced, core_outputs, model_output, stopped = self._pending_trace
-        self._pending_trace = None
-        self.tracer.record(plan, traced, core_outputs, stopped, sampled_token_ids=model_output.sampled_token_ids,
-                           expert_load=model_output.expert_load)
+    def _record_step(self, redo: bool = False) -> None:
+        """The step trace's record of the last step; ``redo``: made again, after the front
+        end ended some of its requests (a stop string in their text, found after the step)."""
+        assert self.tracer is not None and self._last_step is not None
+        plan, traced, core_outputs, model_output, stopped = self._last_step
+        record = self.tracer.redo_last if redo else self.tracer.record
+        record(plan, traced, core_outputs, stopped, sampled_token_ids=model_output.sampled_token_ids,
+               expert_load=model_output.expert_load)
 
     @property
     def trace(self):
-        if self.tracer is None:
-            return None
-        self.flush_trace()
-        return self.tracer.trace
+        return self.tracer.trace if self.tracer is not None else None
 
     def _publish_kv_events(self) -> None:
         """Send the block pool's events since the last batch as one ``KVEventBatch`` (vLLM:
@@ -470,7 +468,7 @@ class EngineCore:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache; see ``Scheduler.reset_prefix_cache``. With KV events on,
         routers hear ``AllBlocksCleared`` at once, not at the next step."""
-        self.flush_trace()
+        self._last_step = None
         reset = self.scheduler.reset_prefix_cache(reset_running_requests)
         self._publish_kv_events()
         return reset

@@ -40,6 +40,7 @@ class StepTracer:
             sliding_window=windows[0] if windows else None, null_block_id=pool.null_block.block_id)
         self._after_schedule: tuple[Tables, list[int]] | None = None
         self._kv_moved = (0, 0)   # a KV connector's blocks loaded and saved, at the last record
+        self._kv_moved_before = (0, 0)   # ... and at the one before it (redo_last)
 
     def _snapshot(self) -> tuple[Tables, list[int]]:
         """The running requests' block tables and every block's ref count, now."""
@@ -116,6 +117,13 @@ class StepTracer:
             allowed_fraction=allowed_fractions(plan, self.vocab_size),
             expert_load=dict(expert_load or {}), **self._kv_connector_state()))
 
+    def redo_last(self, *args, **kwargs) -> None:
+        """Replace the last record with one made now, from the same arguments as
+        ``record`` (more of its requests finished since: stop strings the front end found)."""
+        popped = self.trace.steps.pop()
+        self._kv_moved = self._kv_moved_before
+        self.record(*args, **{"step": popped.step, **kwargs})
+
     def _kv_connector_state(self) -> dict:
         """What a KV connector holds now and moved this step (empty without one)."""
         scheduler, manager = self.scheduler, self.scheduler.kv_cache_manager
@@ -123,7 +131,7 @@ class StepTracer:
         if connector is None:
             return {}
         loaded, saved = getattr(connector, "num_blocks_loaded", 0), getattr(connector, "num_blocks_saved", 0)
-        before = self._kv_moved
+        before = self._kv_moved_before = self._kv_moved
         self._kv_moved = (loaded, saved)
         return dict(
             kv_loading={rid: list(manager.get_block_ids(rid)[0]) for rid in scheduler.waiting_for_remote_kvs},
