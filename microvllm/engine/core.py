@@ -297,12 +297,16 @@ class EngineCore:
         if self.fault_isolation is not None:
             self.fault_isolation.passed(core.request_id for core in core_outputs)
         core_outputs, failed = self._advance_grammars(core_outputs, plan)
-        logprobs, prompt_logprobs = model_output.logprobs, model_output.prompt_logprobs or {}
-        outputs = [dataclasses.replace(core, new_logprobs=logprobs.get(core.request_id),
-                                       new_prompt_logprobs=prompt_logprobs.pop(core.request_id, None))
-                   if core.request_id in logprobs or core.request_id in prompt_logprobs else core
-                   for core in core_outputs]
-        # Prompt logprobs of a chunk that sampled nothing (not the prompt's last chunk).
+        logprobs = model_output.logprobs
+        prompt_logprobs = dict(model_output.prompt_logprobs or {})   # a copy: the runner's stays whole
+        outputs = []
+        for core in core_outputs:
+            prompt_rows = prompt_logprobs.pop(core.request_id, None)
+            if core.request_id in logprobs or prompt_rows is not None:
+                core = dataclasses.replace(core, new_logprobs=logprobs.get(core.request_id),
+                                           new_prompt_logprobs=prompt_rows)
+            outputs.append(core)
+        # What is left: prompt logprobs of a chunk that sampled nothing (not the prompt's last).
         outputs += [EngineCoreOutput(rid, (), new_prompt_logprobs=lists)
                     for rid, lists in prompt_logprobs.items()]
         outputs += failed + self._fail_connector_casualties()   # a connector call of this update raised

@@ -194,7 +194,7 @@ class Engine:
         """Run one engine step; return a ``RequestOutput`` for every request that changed.
         ``timeout``: a core in another process steps by itself; wait at most this long for
         its next step (none came: ``[]``)."""
-        core_outputs = self.engine_core.get_output() if timeout is None else self.engine_core.get_output(timeout)
+        core_outputs = self.engine_core.get_output(timeout)
         if core_outputs is None:
             return []
         outputs, stopped, failed = self.output_processor.process(core_outputs.outputs)
