@@ -53,10 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench serve | bench structured | "
                                          "bench hostile | bench targets | bench attention | bench gpu | "
-                                         "bench router | bench hybrid | bench kv-tier | bench pd")
+                                         "bench router | bench hybrid | bench kv-tier | bench pd | "
+                                         "bench async-scheduling")
     which = bench.add_subparsers(dest="bench", required=True,
                                  metavar="{throughput,serve,structured,hostile,targets,attention,gpu,router,hybrid,"
-                                         "kv-tier,pd}")
+                                         "kv-tier,pd,async-scheduling}")
     # Listed here for the help; main() hands the line to their own parsers.
     for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
                        ("serve", "load a running server: Poisson arrivals, TTFT / TPOT / ITL"),
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("router", "routing policies side by side on two replicas (vllm-router, the course's)"),
                        ("hybrid", "prefix caching on a hybrid model, with and without state snapshots"),
                        ("kv-tier", "prefix hits and TTFT with and without a second KV tier"),
-                       ("pd", "a decode stream's ITL under a prompt flood: colocated vs prefill/decode split")):
+                       ("pd", "a decode stream's ITL under a prompt flood: colocated vs prefill/decode split"),
+                       ("async-scheduling", "offline decode with async scheduling off and on, side by side")):
         one = which.add_parser(name, help=text, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return collect_env_main(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["hostile"], ["targets"],
                                                  ["attention"], ["gpu"], ["router"], ["hybrid"], ["kv-tier"],
-                                                 ["pd"]):
+                                                 ["pd"], ["async-scheduling"]):
         if argv[1] == "throughput" and _workload(argv[2:]) == "quantization":   # bench/quantized.py
             from microvllm.bench.quantized import main as bench_main
         elif argv[1] == "throughput" and _workload(argv[2:]) == "moe":   # its own options
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             from microvllm.bench.kv_tier import main as bench_main
         elif argv[1] == "pd":
             from microvllm.bench.pd import main as bench_main
+        elif argv[1] == "async-scheduling":
+            from microvllm.bench.async_scheduling import main as bench_main
         elif argv[1] == "gpu":
             from microvllm.bench.gpu import main as bench_main
         elif argv[1] == "structured":

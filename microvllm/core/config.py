@@ -15,12 +15,14 @@ class SchedulerConfig:
                             positions 0 .. max_model_len-1 are ever computed
     enable_chunked_prefill  split long prompts over several steps; when False a
                             prompt is scheduled whole or waits
+    async_scheduling        plan step N+1 while step N's forward runs (AsyncScheduler)
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -104,6 +104,13 @@ class Request:
         # Speculative decoding: the drafter's guesses of the next tokens, checked by the
         # target at the next step (they are not tokens of the request until accepted).
         self.spec_token_ids: list[int] = []
+        # Async scheduling (core/async_scheduler.py): tokens that steps still in flight will
+        # sample for this request, not known yet; the next plan counts them as if they
+        # were there. Always 0 without async scheduling.
+        self.num_output_placeholders = 0
+        # Set when a plan schedules it: its chunk stops short of its last token (+ the
+        # placeholders), so this step samples nothing for it.
+        self.is_prefill_chunk = False
         # KV connectors (disaggregated serving): what the client sent, and what goes back.
         extra_args = getattr(sampling_params, "extra_args", None) or {}
         self.kv_transfer_params: dict | None = extra_args.get("kv_transfer_params")

@@ -238,8 +238,11 @@ class Scheduler(KVConnectorScheduling):
     def _cap_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         """Tokens to compute: the rest of the request (its draft tokens too, with speculative
         decoding), within the budget and max_model_len. Drafts that do not fit are dropped
-        (``_make_output``)."""
-        num_new_tokens = min(request.num_tokens_with_spec - num_computed_tokens, token_budget)
+        (``_make_output``). With async scheduling the tokens a step in flight will sample
+        count as known (``num_output_placeholders``; 0 otherwise): the next decode is
+        planned before the token it computes is known (``core/async_scheduler.py``)."""
+        num_new_tokens = min(request.num_tokens_with_spec + request.num_output_placeholders - num_computed_tokens,
+                             token_budget)
         # Positions must stay below max_model_len.
         return max(min(num_new_tokens, self.max_model_len - num_computed_tokens), 0)
 
@@ -248,6 +251,7 @@ class Scheduler(KVConnectorScheduling):
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0   # a step in flight still delivers its token (update_from_output)
         request.num_preemptions += 1
         request.spec_token_ids = []   # a resumed request recomputes its tokens; drafts come later
         self.waiting.appendleft(request)
@@ -258,7 +262,7 @@ class Scheduler(KVConnectorScheduling):
         With a KV connector the pool may be short only for now: blocks come back when this
         step's loads and sends finish, or when held loaded blocks are let go (their
         requests then compute those tokens instead)."""
-        if self.waiting_for_remote_kvs or self.kv_sending:
+        if self.waiting_for_remote_kvs or self.kv_sending or self._tokens_in_flight():
             return
         if self._release_kv_pins(keep=request.request_id):
             self.kv_pool_short = True
@@ -279,11 +283,18 @@ class Scheduler(KVConnectorScheduling):
         """A running request with nothing left to compute: the step that computed its last
         token never delivered the sampled one (e.g. Ctrl-C after the model ran). Without
         a new token it would wait forever; say so instead of spinning."""
+        if self._tokens_in_flight():
+            return
         raise RuntimeError(
             f"scheduler made no progress: running request {request.request_id!r} has all its "
             f"{request.num_tokens} tokens computed but no new token to compute, because the step "
             "that computed them did not finish (interrupted after the model ran?): abort its request"
         )
+
+    def _tokens_in_flight(self) -> bool:
+        """Async scheduling: a step in flight will sample a token for a running request, so
+        a plan with nothing in it is no stall: the next one has work again."""
+        return any(r.num_output_placeholders for r in self.running)
 
     def _make_output(self, scheduled_new: list[Request], scheduled_running: list[Request],
                      new_blocks: dict[str, KVCacheBlocks], num_scheduled_tokens: dict[str, int],
@@ -327,6 +338,8 @@ class Scheduler(KVConnectorScheduling):
         )
         for request in (*scheduled_running, *scheduled_new):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+            known = request.num_tokens + request.num_output_placeholders
+            request.is_prefill_chunk = request.num_computed_tokens < known
         self.finished_req_ids = set()
         self.reset_req_ids = set()
         if self.connector is not None:
@@ -396,8 +409,11 @@ class Scheduler(KVConnectorScheduling):
         stopped: dict[str, None] = {}  # in batch order (a set's order would vary with PYTHONHASHSEED)
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted (or preempted) since schedule()
+            if request is None:
+                continue  # aborted since schedule()
+            preempted = request.status == RequestStatus.PREEMPTED
+            if request.status != RequestStatus.RUNNING and not (preempted and sampled_token_ids.get(request_id)):
+                continue  # preempted since schedule(); async scheduling: a token it sampled still counts
             request.spec_token_ids = []
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, ())
             if drafts:
@@ -407,20 +423,24 @@ class Scheduler(KVConnectorScheduling):
                                      f"{len(drafts) + 1} tokens, got {sampled_token_ids.get(request_id)}")
                 request.num_computed_tokens -= num_rejected
                 self.spec_decoding_stats.observe(len(drafts), len(drafts) - num_rejected)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk: no token to sample yet
             token_ids = sampled_token_ids.get(request_id)
+            if not self._sampled_this_step(request, token_ids):
+                continue  # a prefill chunk: no token to sample yet
             if not token_ids:
                 raise ValueError(
                     f"no sampled token for request {request_id!r}: it finished its prefill or decoded "
                     "this step, so the runner must return the token it sampled"
                 )
+            if request.num_output_placeholders:   # async scheduling: the tokens came
+                request.num_output_placeholders = max(request.num_output_placeholders - len(token_ids), 0)
             appended = []
             for token_id in token_ids:
                 request.append_output_token_ids(token_id)
                 appended.append(token_id)
                 if check_stop(request, self.max_model_len):
                     stopped[request_id] = None
+                    if preempted:   # it waits for its turn: out of the queue
+                        self.waiting.remove(request)
                     break
             outputs.append(EngineCoreOutput(request_id, tuple(appended), request.get_finished_reason(),
                                             request.stop_reason, max(request.num_cached_tokens, 0)))
@@ -439,6 +459,12 @@ class Scheduler(KVConnectorScheduling):
             self._update_from_kv_xfer_finished(kv_connector_output)
             self._start_or_hold_kv_loads(preempted=bool(scheduler_output.preempted_req_ids))
         return outputs
+
+    def _sampled_this_step(self, request: Request, token_ids: list[int] | None) -> bool:
+        """Did the step compute the request's last known token, so that it sampled the next?
+        Right after a step, its state says so; ``AsyncScheduler`` asks the runner instead
+        (a later plan has moved the request on since)."""
+        return request.num_computed_tokens >= request.num_tokens
 
     # -------------------------------------------------------------- queries
 

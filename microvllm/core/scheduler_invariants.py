@@ -2,7 +2,8 @@
 
     self.requests  ==  waiting  +  running  +  waiting_for_remote_kvs   (disjoint, no duplicates)
     running:  status RUNNING, len <= max_num_seqs,
-              0 <= num_computed_tokens <= num_tokens, blocks cover them
+              0 <= num_computed_tokens <= num_tokens (+ num_output_placeholders: async
+              scheduling's tokens in flight), blocks cover them
     waiting:  status WAITING or PREEMPTED, num_computed_tokens == 0, no blocks
               (a KV connector's pinned blocks are held for it, not by it)
 
@@ -91,10 +92,14 @@ def _check_running_request(scheduler: Scheduler, request: Request) -> None:
     rid = request.request_id
     if request.status != RequestStatus.RUNNING:
         raise InvariantError(f"request {rid!r} is in running but has status {request.status.name}")
-    if not 0 <= request.num_computed_tokens <= min(request.num_tokens, scheduler.max_model_len):
+    # Async scheduling: a plan may compute tokens that steps in flight have yet to sample.
+    known = request.num_tokens + request.num_output_placeholders
+    if request.num_output_placeholders < 0 or not 0 <= request.num_computed_tokens <= min(
+            known, scheduler.max_model_len):
         raise InvariantError(
             f"request {rid!r} has num_computed_tokens {request.num_computed_tokens}, outside "
-            f"0..min(num_tokens={request.num_tokens}, max_model_len={scheduler.max_model_len})"
+            f"0..min(num_tokens={request.num_tokens} + num_output_placeholders="
+            f"{request.num_output_placeholders}, max_model_len={scheduler.max_model_len})"
         )
     manager = scheduler.kv_cache_manager
     for group_id, block_ids in enumerate(manager.get_block_ids(rid)):

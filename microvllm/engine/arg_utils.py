@@ -158,6 +158,9 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_cli("reuse the KV of shared prompt prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_cli(
         "split long prompts over several steps"))
+    async_scheduling: bool = field(default=False, metadata=_cli(
+        "plan each engine step while the previous step's forward runs (vLLM's async "
+        "scheduling; off by default here, as vLLM has it off on a CPU)"))
     attention_backend: str = field(default="auto", metadata=_cli(
         "attention backend name: torch, cpu, triton, ...; auto = on a CPU the C++ kernel where "
         "it builds (torch with enforce_eager), on CUDA triton"))
@@ -246,6 +249,7 @@ class EngineArgs:
         """
         self._validate()
         self._check_process_options()
+        self._check_async_scheduling()
         if self.data_parallel_size > 1 and self.data_parallel_rank is None:   # DPAsyncLLM gives each core its rank
             raise ValueError(f"data_parallel_size={self.data_parallel_size}: one engine is one model copy. "
                              "N copies behind one API server: `microvllm serve --data-parallel-size N`; "
@@ -288,6 +292,20 @@ class EngineArgs:
             kv_transfer_config=(None if self.kv_transfer_config is None
                                 else KVTransferConfig.from_dict(self.kv_transfer_config)))
 
+    def _check_async_scheduling(self) -> None:
+        """What async scheduling does not combine with here, refused. vLLM 0.34 refuses it
+        only for executors that cannot return a step's result later and for ROCm's DeepEP
+        high-throughput DBO: its scheduler plans draft tokens and KV loads ahead too, and
+        defers a grammar's mask until the token it needs arrives. microvllm does the last
+        (``EngineCore.step_with_batch_queue``), not the first two yet."""
+        if not self.async_scheduling:
+            return
+        for name, what in (("speculative_config", "speculative decoding"),
+                           ("kv_transfer_config", "a KV connector")):
+            if getattr(self, name) is not None:
+                raise ValueError(f"async_scheduling=True with {name} ({what}) is not implemented in "
+                                 f"microvllm (vLLM plans them with placeholders): drop one of the two")
+
     def _hybrid_block_size(self, hf_config, quantization) -> int:
         """``block_size``, raised for a hybrid model until a page holds a state (logged, as
         vLLM logs it); and what a hybrid cannot do here, refused."""
@@ -329,7 +347,8 @@ class EngineArgs:
                 f"(a prompt is scheduled whole), but {max_num_batched_tokens} < {max_model_len}: "
                 "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                               max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
+                               max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                               async_scheduling=self.async_scheduling)
 
     def _speculative_config(self, hf_config) -> SpeculativeConfig | None:
         if self.speculative_config is None:

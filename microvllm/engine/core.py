@@ -16,6 +16,14 @@
                                                  per request: new token ids, logprobs, finish
                                                  reason; plus SchedulerStats
 
+    step_with_batch_queue()   async scheduling: the same three, with two plans in flight
+                              (the forward runs on the core's execute thread)::
+
+        core thread      schedule N | schedule N+1 | wait N, update N | schedule N+2 | wait N+1 ...
+        execute thread              | forward N ............ | forward N+1 ............ |
+
+    step_fn   the one a client calls: step, or step_with_batch_queue with async scheduling
+
 Everything a person reads — text, stop strings, ``n`` samples of one prompt, the
 ``RequestOutput`` — is the front end's (``engine/engine.py``: ``LLMEngine`` with its
 ``InputProcessor`` and ``OutputProcessor``), which talks to the core through a client
@@ -32,12 +40,15 @@ import dataclasses
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from microvllm import envs
 from microvllm.config import EngineConfig
 from microvllm.config.components import check_components, component
+from microvllm.core.async_scheduler import with_async_scheduling
 from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_manager import KVCacheManager, PoolTooSmallError
 from microvllm.core.outputs import EngineCoreOutput
@@ -104,6 +115,9 @@ class EngineCore:
                  trace: bool = False, debug_invariants: bool = False, fault_isolation: bool = False,
                  prompts: PromptProcessor | None = None):
         check_components(components)
+        if trace and config.scheduler_config.async_scheduling:
+            raise ValueError("trace=True records one plan per step, and async scheduling keeps two in "
+                             "flight: turn one of them off (async_scheduling=False to trace)")
         self.config = config
         self.components = components
         self.debug_invariants = debug_invariants
@@ -129,9 +143,18 @@ class EngineCore:
         # A KV connector's scheduler side (kv_transfer_config); its worker side is in each worker.
         kv_connector = None if config.kv_transfer_config is None else KVConnectorFactory.create_connector(
             config, KVConnectorRole.SCHEDULER, self.num_kv_blocks, specs)
-        self.scheduler = component(components, "scheduler", Scheduler)(
+        scheduler_class = component(components, "scheduler", Scheduler)
+        if config.scheduler_config.async_scheduling:
+            scheduler_class = with_async_scheduling(scheduler_class)
+        self.scheduler = scheduler_class(
             config.scheduler_config, self.kv_cache_manager,
             **({"kv_connector": kv_connector} if kv_connector is not None else {}))
+        # Async scheduling: the plans sent to the execute thread and not yet updated from,
+        # oldest first (vLLM's batch_queue: two, so one is planned while one runs).
+        self.batch_queue: deque[tuple[SchedulerOutput, object, Future]] | None = None
+        if config.scheduler_config.async_scheduling:
+            self.batch_queue, self.batch_queue_size = deque(), 2
+            self._execute_thread = ThreadPoolExecutor(1, thread_name_prefix="microvllm-execute")
         self.structured_output_manager = StructuredOutputManager(
             self.prompts.tokenizer, model_config.hf_config.vocab_size,
             config.structured_outputs_config.structured_outputs_backend,
@@ -250,7 +273,8 @@ class EngineCore:
             self._last_step = None   # anything else is between two steps: the next record shows it
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or (async scheduling) a step in flight to update from."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     # ---------------------------------------------------------------- step
     def step(self) -> EngineCoreOutputs:
@@ -275,17 +299,87 @@ class EngineCore:
         outputs.outputs[:0] = failed
         return outputs
 
+    def step_fn(self) -> EngineCoreOutputs:
+        """The step a client runs (vLLM picks ``step_fn`` once; a bound method kept on the
+        core would tie it in a reference cycle, and a core must go when its last user does)."""
+        return self.step() if self.batch_queue is None else self.step_with_batch_queue()
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """One step of async scheduling (vLLM: ``EngineCore.step_with_batch_queue``):
+
+        1. if fewer than two plans are in flight, plan one and send it to the execute
+           thread; if that left room for another, return at once (nothing finished);
+        2. else wait for the oldest plan's result and update from it, as ``step`` does.
+
+        A structured request needs its grammar's mask, and the mask needs the token a step
+        in flight is still sampling: such a plan waits for that step (its update) before
+        its mask is made and it is sent, so grammars cost the overlap, not correctness.
+        A step that raised: every plan in flight is waited for and undone, oldest first."""
+        self._last_step = None
+        queue = self.batch_queue
+        assert queue is not None
+        if self.scheduler.has_unfinished_requests() and len(queue) < self.batch_queue_size:
+            plan, grammar_rows = self._plan()
+            finished = None
+            if queue and any(self.scheduler.requests[r].num_output_placeholders > 1 for r in grammar_rows):
+                finished = self._finish_oldest()   # its tokens advance the grammars this plan needs
+            self._send(self._with_grammar_bitmask(plan, grammar_rows))
+            if finished is not None:
+                return finished
+            if len(queue) < self.batch_queue_size and plan.total_num_scheduled_tokens > 0:
+                return EngineCoreOutputs([], self.make_stats(), time.monotonic())
+        if not queue:
+            return EngineCoreOutputs([], self.make_stats(), time.monotonic())
+        return self._finish_oldest()
+
+    def _send(self, plan: SchedulerOutput) -> None:
+        traced = self.tracer.begin(plan) if self.tracer is not None else None
+        self.batch_queue.append((plan, traced, self._execute_thread.submit(self.executor.execute_model, plan)))
+
+    def _finish_oldest(self) -> EngineCoreOutputs:
+        """Wait for the oldest plan in flight and update from it."""
+        plan, traced, future = self.batch_queue.popleft()
+        try:
+            model_output = future.result()
+        except BaseException as error:
+            # Steps run in order: the later ones ran on half-done state. Undo them all.
+            undone = [plan]
+            while self.batch_queue:
+                later, _, later_future = self.batch_queue.popleft()
+                try:
+                    later_future.result()
+                except BaseException:  # noqa: BLE001 - undone below whatever it did
+                    pass
+                undone.append(later)
+            for each in undone:
+                self.scheduler.undo_failed_step(each)
+            if (self.fault_isolation is None or not isinstance(error, Exception)
+                    or isinstance(error, FATAL_ERRORS)):
+                raise
+            return EngineCoreOutputs(self._isolate_fault(plan, error), self.make_stats(plan), time.monotonic())
+        return self.update_from_output(plan, model_output, traced)
+
     def schedule(self) -> SchedulerOutput:
         """The scheduler's plan, plus the grammar masks of the structured requests in it."""
+        plan, grammar_rows = self._plan()
+        return self._with_grammar_bitmask(plan, grammar_rows)
+
+    def _plan(self) -> tuple[SchedulerOutput, list[str]]:
+        """The scheduler's plan, and its structured requests that sample a token in it."""
         if self.fault_isolation is not None:
             self.fault_isolation.limit_admissions(self.scheduler)
         plan = self.scheduler.schedule()
         # Prefix caching, vLLM's counters: the tokens of each request admitted (or resumed
-        # after a preemption) were looked up; this many were found cached.
+        # after a preemption) were looked up; this many were found cached. Summed until
+        # the next stats read them (async scheduling plans twice before one update).
         requests = self.scheduler.requests
-        self._prefix_cache_counts = (sum(requests[r].num_tokens for r in plan.num_prefix_hit_tokens),
-                                     sum(plan.num_prefix_hit_tokens.values()))
-        return self._with_grammar_bitmask(plan)
+        queries, hits = self._prefix_cache_counts
+        self._prefix_cache_counts = (queries + sum(requests[r].num_tokens for r in plan.num_prefix_hit_tokens),
+                                     hits + sum(plan.num_prefix_hit_tokens.values()))
+        grammars = self.structured_output_manager.grammars
+        rows = [rid for rid in plan.num_scheduled_tokens
+                if rid in grammars and not requests[rid].is_prefill_chunk] if grammars else []
+        return plan, rows
 
     def update_from_output(self, plan: SchedulerOutput, model_output, traced=None) -> EngineCoreOutputs:
         """The step's tokens into the scheduler (which finishes and frees); the grammars
@@ -331,6 +425,7 @@ class EngineCore:
                                expert_load=dict(expert_load or {}))
         if plan is not None:   # counted at schedule(), before the step's tokens were appended
             stats.prefix_cache_queries, stats.prefix_cache_hits = self._prefix_cache_counts
+            self._prefix_cache_counts = (0, 0)
         if self.config.speculative_config is not None:
             stats.spec_decoding = dataclasses.replace(
                 scheduler.spec_decoding_stats,
@@ -368,15 +463,13 @@ class EngineCore:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events]))
 
     # ------------------------------------------------- structured outputs
-    def _with_grammar_bitmask(self, plan):
-        """The plan, plus the token bitmask of the structured requests that sample a token
-        this step (their chunk reaches their last token); unchanged when there are none."""
+    def _with_grammar_bitmask(self, plan, rows: list[str]):
+        """The plan, plus the token bitmask of ``rows``: its structured requests that sample
+        a token this step (their chunk reaches their last token) and that still run (async
+        scheduling: a step's update in between may have finished one); unchanged when
+        there are none."""
         manager = self.structured_output_manager
-        if not manager.grammars:
-            return plan
-        requests = self.scheduler.requests
-        rows = [rid for rid in plan.num_scheduled_tokens if rid in manager.grammars
-                and requests[rid].num_computed_tokens >= requests[rid].num_tokens]
+        rows = [rid for rid in rows if rid in manager.grammars]
         if not rows:
             return plan
         return dataclasses.replace(plan, structured_output_request_ids=tuple(rows),
@@ -482,8 +575,11 @@ class EngineCore:
         self.scheduler.check_invariants()
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes (with ``tensor_parallel_size > 1``) and the
-        KV event publisher's thread and sockets (idempotent)."""
+        """Stop the executor's worker processes (with ``tensor_parallel_size > 1``), the
+        execute thread (async scheduling) and the KV event publisher's thread and sockets
+        (idempotent)."""
         if self.kv_event_publisher is not None:
             self._stop_kv_event_publisher()
+        if self.batch_queue is not None:
+            self._execute_thread.shutdown(wait=True, cancel_futures=True)
         self.executor.shutdown()

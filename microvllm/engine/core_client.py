@@ -54,7 +54,7 @@ class InprocClient:
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """Run one step of the core; what it produced (``timeout``: unused, a step here is
         never waited for)."""
-        return self.engine_core.step()
+        return self.engine_core.step_fn()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)

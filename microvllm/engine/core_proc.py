@@ -119,7 +119,7 @@ class EngineCoreProc:
             if not self._process_input_queue():
                 return
             if self.engine_core.has_unfinished_requests():
-                self.output_queue.put((OUTPUTS, self.engine_core.step()))
+                self.output_queue.put((OUTPUTS, self.engine_core.step_fn()))
 
     def _process_input_queue(self) -> bool:
         """Handle every queued message; block for one while the core is idle. False: shut down."""

@@ -94,4 +94,18 @@ pool of 6 usable blocks (preemption, prefix hits): every plan is checked against
 the budget before it runs, and must be the reference scheduler's, step by step — the same requests,
 tokens, preemptions and prefix hits. The greedy tokens must equal the reference engine's too.""",
     engine='run_engine_with({"scheduler": Scheduler})',
+    notes=("""## After the exercise: your scheduler under async scheduling
+
+With `async_scheduling=True` the engine core plans step N+1 while step N's forward runs
+(`microvllm/core/async_scheduler.py`; vLLM's `AsyncScheduler`). Your `schedule()` runs there
+unchanged: `with_async_scheduling(Scheduler)` puts `AsyncScheduler`'s overrides in front of your
+class. It never needs the token step N is still sampling, because the only place it asks "how
+much is left?" is `self._cap_new_tokens`, and that counts `request.num_output_placeholders` — one
+for each token a step in flight will sample — as if those tokens were there. The runner knows
+them when N+1 runs (steps run in order), so the plan is right:
+
+```python
+from microvllm import LLM
+LLM(components={"scheduler": Scheduler}, async_scheduling=True)   # your schedule(), two plans in flight
+```""",),
 )
