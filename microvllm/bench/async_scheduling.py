@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     engines = {on: LLM(model, async_scheduling=on, max_model_len=max(max_len, 128), max_num_seqs=max(batches),
                        enforce_eager=args.enforce_eager)
                for on in (False, True)}
-    vocab = engines[False].llm_engine.model_config.hf_config.vocab_size
+    vocab = engines[False].llm_engine.config.model_config.hf_config.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     print(f"CPU: {cpu_description()}")

@@ -4,17 +4,25 @@ the least loaded (vLLM: ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py
 
     clients ──> API server (this process)
                   tokenizer, chat template, every check that needs no model (EngineInputs)
-                  DPAsyncLLM.generate ── picks core argmin(4·waiting + running) ──┐
+                  DPAsyncLLM.generate ── picks the core of the lowest load score ──┐
                                                                                    │ ZMQ (dp_core_proc.py)
                 ┌────────────────────┬────────────────────┬────────────────────────┘
                 v                    v                    v
            engine core 0        engine core 1   ...  engine core N-1   (own process, model, KV cache)
 
-The load of a core is what it last reported (its scheduler's waiting and running
-queues, vLLM's score: a waiting request counts 4 times, it has not started) plus the
-requests sent to it since, which it has not counted yet: so a burst spreads over the
-cores instead of piling onto the one that looked idle a moment ago (vLLM's client adds
-to its copy of the counts the same way).
+The load score is vLLM 0.34's (``DPLBAsyncMPClient.get_core_engine_for_request``)::
+
+    score = max(in_flight, waiting + running)                     what it runs and queues
+          + waiting * 6 * max(0, kv_cache_usage - 0.5)            a queue on a full KV cache
+
+``waiting``, ``running`` and ``kv_cache_usage`` are what the core last reported (several
+times a second); ``in_flight`` is this client's own count of its requests on that core
+not finished yet, exact at every moment: a burst spreads over the cores even before
+any of them reports (a report cannot erase a request it has not seen yet). A waiting
+queue counts extra only when the core's KV cache is over half full, where a queue
+drains slowly; below that it is a burst's transient and the cores take turns. After a
+pick, the chosen core's ``waiting`` grows by one until its next report, and the scan
+starts one core further on, so that ties (idle cores) do not always go to core 0.
 
 Each core's prefix cache is its own: requests that share a prompt prefix hit it only
 on the core that computed it. The internal load balancer does not look at prompts;
@@ -57,7 +65,7 @@ from microvllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0   # every core loads its model copy
-WAITING_WEIGHT = 4          # vLLM's: score = waiting * 4 + running
+KV_PRESSURE_WEIGHT = 6.0    # vLLM's: waiting counts up to 3 times more at a full KV cache
 
 # Errors a core reports by name, raised here as the same kind (a 400, a 500, ...).
 _ERRORS: dict[str, type[Exception]] = {
@@ -92,23 +100,26 @@ class CoreState:
 
     index: int
     process: BaseProcess
-    sent: int = 0              # "generate" messages sent to it
-    accepted: int = 0          # ... of which it had received at its last report
-    waiting: int = 0
+    in_flight: int = 0         # this client's requests on it, not finished yet
+    waiting: int = 0           # its last report (+ the requests sent since)
     running: int = 0
+    kv_cache_usage: float = 0.0
     metrics_text: str = ""
     last_report: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
-    def score(self) -> int:
-        in_transit = self.sent - self.accepted   # not in its queues yet: waiting, as it will be
-        return WAITING_WEIGHT * (self.waiting + in_transit) + self.running
+    def score(self) -> float:
+        """vLLM 0.34's load score (the module docstring), for one API server."""
+        score = float(max(self.in_flight, self.waiting + self.running))
+        if self.waiting:
+            score += self.waiting * KV_PRESSURE_WEIGHT * max(0.0, self.kv_cache_usage - 0.5)
+        return score
 
 
-def least_loaded_core(cores: list[CoreState]) -> CoreState:
-    """The core a new request goes to: the lowest score; on a tie the one sent fewer
-    requests in all, then the first (vLLM's ``DPLBAsyncMPClient.get_core_engine_for_request``)."""
-    return min(cores, key=lambda core: (core.score, core.sent, core.index))
+def least_loaded_core(cores: list[CoreState], start: int = 0) -> CoreState:
+    """The core a new request goes to: the lowest score, scanning from core ``start`` (the
+    first of equal scores wins: the caller rotates ``start``)."""
+    return min(cores[start:] + cores[:start], key=lambda core: core.score)
 
 
 class DPAsyncLLM(EngineClient):
@@ -160,6 +171,7 @@ class DPAsyncLLM(EngineClient):
         threads = max(1, (os.cpu_count() or 1) // size)
         context = get_context("spawn")
         self.cores: list[CoreState] = []
+        self._scan_start = 0   # rotated at each pick: ties do not always go to core 0
         for index in range(size):
             # Not a daemon: a core may start processes of its own (tensor-parallel workers,
             # grammar compilers). It exits when this process does (_exit_when_orphaned).
@@ -198,9 +210,11 @@ class DPAsyncLLM(EngineClient):
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id={request_id!r} is already in use: give each request a unique id")
-            core = least_loaded_core(self.cores)
+            core = least_loaded_core(self.cores, self._scan_start)
+            self._scan_start = (self._scan_start + 1) % len(self.cores)
             self._streams[request_id] = (asyncio.get_running_loop(), outputs, core)
-            core.sent += 1
+            core.in_flight += 1
+            core.waiting += 1   # until its next report counts it
             self._send(core, ("generate", request_id, prompt, sampling_params))
         finished = False
         try:
@@ -215,6 +229,7 @@ class DPAsyncLLM(EngineClient):
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
+                core.in_flight -= 1
                 if not finished and self.is_running:   # cancelled or closed early: the core frees its blocks
                     self._send(core, ("abort", request_id))
 
@@ -309,10 +324,10 @@ class DPAsyncLLM(EngineClient):
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "stats":
-            _, index, accepted, waiting, running, text = message
+            _, index, waiting, running, kv_cache_usage, text = message
             core = self.cores[index]
             with self._lock:
-                core.accepted, core.waiting, core.running = accepted, waiting, running
+                core.waiting, core.running, core.kv_cache_usage = waiting, running, kv_cache_usage
                 core.metrics_text = text if text is not None else core.metrics_text
                 core.last_report = time.monotonic()
         elif kind == "output":

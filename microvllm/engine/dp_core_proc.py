@@ -13,7 +13,7 @@ them). The API server's ``DPAsyncLLM`` (``dp_async_llm.py``) talks to each over 
                          ─ ("abort", id) / ("abort_all",) / ("reset_prefix_cache",) / ("shutdown",)
                <─ PULL ─── ("output", id, RequestOutput) ───── PUSH  (every step it moves)
                            ("error", id, kind, message)               (a refused or failed request)
-                           ("stats", i, accepted, waiting, running, metrics text or None)
+                           ("stats", i, waiting, running, kv usage, metrics text or None)
                                                                       (every 0.1 s busy, 0.5 s idle; the
                                                                        text at most every 0.5 s, and
                                                                        before each final output)
@@ -62,7 +62,6 @@ class DPEngineCoreProc:
         self.output.setsockopt(zmq.LINGER, 1000)
         self.output.connect(output_address)
         self.requests: dict[str, asyncio.Task] = {}
-        self.accepted = 0    # "generate" messages received: the client compares with what it sent
 
     async def send(self, message: tuple) -> None:
         await self.output.send(pickle.dumps(message))
@@ -72,8 +71,8 @@ class DPEngineCoreProc:
         unless ``with_text`` is False (None: the client keeps the last one)."""
         metrics = self.llm.metrics
         text = metrics.render(MODEL_NAME) if with_text else None
-        await self.send(("stats", self.index, self.accepted, metrics.num_requests_waiting,
-                         metrics.num_requests_running, text))
+        await self.send(("stats", self.index, metrics.num_requests_waiting, metrics.num_requests_running,
+                         metrics.kv_cache_usage_perc, text))
 
     async def run(self) -> None:
         """Serve the client's messages until "shutdown" (or until the engine dies)."""
@@ -85,7 +84,6 @@ class DPEngineCoreProc:
                 kind = message[0]
                 if kind == "generate":
                     _, request_id, prompt, params = message
-                    self.accepted += 1
                     self.requests[request_id] = asyncio.create_task(self._generate(request_id, prompt, params))
                 elif kind == "abort":
                     task = self.requests.pop(message[1], None)
