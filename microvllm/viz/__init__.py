@@ -19,6 +19,10 @@
                                      a router's run (microvllm/router/): one row per request, coloured by
                                      the replica it went to, its prompt blocks hit in that replica's
                                      prefix cache or computed; a PolicyComparison: one panel per policy
+    OverlapRecorder(llm), plot_overlap(runs)
+                                     a real run's calls on a time axis, one lane per thread: the
+                                     core's plans and updates, the forwards (async scheduling's
+                                     overlap; no trace needed)
     StepExplorer(llm_or_trace)       Play button + slider over the steps (ipywidgets);
                                      preset="projector" and scale=1.5 for a big screen
     demo_trace(kind)                 small traces from the real scheduler, no model needed
@@ -35,12 +39,14 @@ from microvllm.viz.decoder_layer import plot_decoder_layer
 from microvllm.viz.demo import demo_trace, large_demo_trace
 from microvllm.viz.expert_load import expert_parallel_imbalance, plot_expert_load
 from microvllm.viz.explorer import StepExplorer
+from microvllm.viz.overlap import OverlapRecorder, plot_overlap
 from microvllm.viz.queues import plot_queues
 from microvllm.viz.routing import plot_routing
 from microvllm.viz.step_figure import plot_step
 from microvllm.viz.summary import describe_step
 from microvllm.viz.timeline import plot_timeline
 
-__all__ = ["StepExplorer", "demo_trace", "describe_step", "expert_parallel_imbalance", "large_demo_trace",
+__all__ = ["OverlapRecorder", "StepExplorer", "demo_trace", "describe_step", "expert_parallel_imbalance",
+           "large_demo_trace",
            "plot_batch", "plot_block_pool", "plot_block_tables", "plot_decoder_layer", "plot_expert_load",
-           "plot_queues", "plot_routing", "plot_step", "plot_timeline", "request_colors"]
+           "plot_overlap", "plot_queues", "plot_routing", "plot_step", "plot_timeline", "request_colors"]
