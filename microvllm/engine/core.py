@@ -299,16 +299,17 @@ class EngineCore:
         outputs.outputs[:0] = failed
         return outputs
 
-    def step_fn(self) -> EngineCoreOutputs:
+    def step_fn(self) -> EngineCoreOutputs | None:
         """The step a client runs (vLLM picks ``step_fn`` once; a bound method kept on the
         core would tie it in a reference cycle, and a core must go when its last user does)."""
         return self.step() if self.batch_queue is None else self.step_with_batch_queue()
 
-    def step_with_batch_queue(self) -> EngineCoreOutputs:
+    def step_with_batch_queue(self) -> EngineCoreOutputs | None:
         """One step of async scheduling (vLLM: ``EngineCore.step_with_batch_queue``):
 
         1. if fewer than two plans are in flight, plan one and send it to the execute
-           thread; if that left room for another, return at once (nothing finished);
+           thread; if that left room for another, return None at once (nothing finished:
+           a core in its own process then sends nothing);
         2. else wait for the oldest plan's result and update from it, as ``step`` does.
 
         A structured request needs its grammar's mask, and the mask needs the token a step
@@ -327,9 +328,9 @@ class EngineCore:
             if finished is not None:
                 return finished
             if len(queue) < self.batch_queue_size and plan.total_num_scheduled_tokens > 0:
-                return EngineCoreOutputs([], self.make_stats(), time.monotonic())
+                return None
         if not queue:
-            return EngineCoreOutputs([], self.make_stats(), time.monotonic())
+            return None
         return self._finish_oldest()
 
     def _send(self, plan: SchedulerOutput) -> None:

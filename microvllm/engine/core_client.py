@@ -51,9 +51,9 @@ class InprocClient:
     def __init__(self, *args, **kwargs):
         self.engine_core = EngineCore(*args, **kwargs)
 
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        """Run one step of the core; what it produced (``timeout``: unused, a step here is
-        never waited for)."""
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        """Run one step of the core; what it produced (None: a step was only sent off, with
+        async scheduling; ``timeout``: unused, a step here is never waited for)."""
         return self.engine_core.step_fn()
 
     def add_request(self, request: EngineCoreRequest) -> None:

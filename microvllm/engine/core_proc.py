@@ -119,7 +119,9 @@ class EngineCoreProc:
             if not self._process_input_queue():
                 return
             if self.engine_core.has_unfinished_requests():
-                self.output_queue.put((OUTPUTS, self.engine_core.step_fn()))
+                outputs = self.engine_core.step_fn()
+                if outputs is not None:   # async scheduling: None when a step was only sent off
+                    self.output_queue.put((OUTPUTS, outputs))
 
     def _process_input_queue(self) -> bool:
         """Handle every queued message; block for one while the core is idle. False: shut down."""

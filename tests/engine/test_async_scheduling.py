@@ -15,7 +15,7 @@ from microvllm.sampling_params import StructuredOutputsParams
 from tests.engine.conftest import hf_greedy, varied_prompts
 from tests.engine.test_engine_parity import GREEDY, MAX_TOKENS, SETTINGS as PARITY_SETTINGS
 
-SETTINGS = {name: PARITY_SETTINGS[name] for name in ("default", "chunked", "preemption")}
+SETTINGS = PARITY_SETTINGS   # every regime of the synchronous parity test
 
 
 class CountingScheduler(Scheduler):
@@ -50,7 +50,7 @@ def generate(folder, prompts, params, **settings):
     return llm, outs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen3_5"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_tokens_are_hugging_faces(tiny_models, arch, setting):
     prompts = varied_prompts(512, count=12, seed=21)
