@@ -84,6 +84,8 @@ PARAMS = {
     "min_tokens, penalties": (SamplingParams(temperature=0.0, max_tokens=16, min_tokens=8, repetition_penalty=1.3,
                                              presence_penalty=0.5), {}),
     "max_model_len": (SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), dict(max_model_len=80)),
+    # the front end finds them and aborts the sample in the core, whose next step is in flight
+    "stop strings": (SamplingParams(temperature=0.0, max_tokens=30, stop=["a", "e"], n=2), {}),
 }
 
 
