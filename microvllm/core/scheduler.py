@@ -323,7 +323,8 @@ class Scheduler(KVConnectorScheduling):
         # Speculative decoding: the drafts that fit this step (scheduled past the last token).
         spec_tokens = {}
         for request in scheduled_running:
-            num_spec = request.num_computed_tokens + num_scheduled_tokens[request.request_id] - request.num_tokens
+            num_spec = (request.num_computed_tokens + num_scheduled_tokens[request.request_id]
+                        - request.num_tokens - request.num_output_placeholders)
             if num_spec > 0:
                 spec_tokens[request.request_id] = tuple(request.spec_token_ids[:num_spec])
         output = SchedulerOutput(

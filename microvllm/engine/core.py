@@ -315,10 +315,14 @@ class EngineCore:
         A structured request needs its grammar's mask, and the mask needs the token a step
         in flight is still sampling: such a plan waits for that step (its update) before
         its mask is made and it is sent, so grammars cost the overlap, not correctness.
-        A step that raised: every plan in flight is waited for and undone, oldest first."""
+        A step that raised: every plan in flight is waited for and undone, oldest first;
+        while fault isolation looks for the request at fault, the steps are synchronous."""
         self._last_step = None
         queue = self.batch_queue
         assert queue is not None
+        if self.fault_isolation is not None and self.fault_isolation.active:
+            # Finding the request at fault retries one suspect per step: one plan at a time.
+            return self._finish_oldest() if queue else self.step()
         if self.scheduler.has_unfinished_requests() and len(queue) < self.batch_queue_size:
             plan, grammar_rows = self._plan()
             finished = None

@@ -24,11 +24,12 @@ class CountingScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.plans = self.updates = self.preemptions = self.most_in_flight = 0
+        self.plans = self.updates = self.preemptions = self.most_in_flight = self.plans_with_drafts = 0
 
     def schedule(self):
         plan = super().schedule()
         self.plans += 1
+        self.plans_with_drafts += bool(plan.scheduled_spec_decode_tokens)
         self.most_in_flight = max(self.most_in_flight, self.plans - self.updates)
         return plan
 
@@ -65,6 +66,9 @@ def test_greedy_tokens_are_hugging_faces(tiny_models, arch, setting):
     scheduler = llm.llm_engine.scheduler
     assert isinstance(scheduler, AsyncScheduler) and isinstance(scheduler, CountingScheduler)
     assert scheduler.most_in_flight == 2, "no plan was made while the step before it ran"
+    # A placeholder is no draft: without speculative decoding no plan schedules drafts (it once
+    # did, empty ones, and sent every decode down the rejection sampler's path).
+    assert scheduler.plans_with_drafts == 0
     if setting == "preemption":
         assert scheduler.preemptions, "the pool was meant to be small enough to preempt"
 

@@ -40,11 +40,15 @@ def inject_sampling_fault(monkeypatch, llm, error=RuntimeError("injected fault i
     return calls
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async_scheduling"])
 @pytest.mark.parametrize("faulty_index", [0, 2, 4])
 @pytest.mark.parametrize("n", [1, 2])
-def test_a_fault_in_one_requests_sampling_fails_only_that_request(tiny_llama, monkeypatch, faulty_index, n):
+def test_a_fault_in_one_requests_sampling_fails_only_that_request(tiny_llama, monkeypatch, faulty_index, n,
+                                                                   async_scheduling):
+    """With async scheduling the step planned after the faulty one is undone with it."""
     folder = str(tiny_llama)
-    llm = serving_llm(folder, debug_invariants=True, **TIGHT)   # chunked prefill, preemption, prefix hits
+    llm = serving_llm(folder, debug_invariants=True, async_scheduling=async_scheduling,
+                      **TIGHT)   # chunked prefill, preemption, prefix hits
     calls = inject_sampling_fault(monkeypatch, llm)
     params = [GREEDY] * len(PROMPTS)
     params[faulty_index] = SamplingParams(n=n, temperature=MARK, max_tokens=8, ignore_eos=True, seed=1)
