@@ -338,11 +338,13 @@ class EngineCore:
         return self._finish_oldest()
 
     def _send(self, plan: SchedulerOutput) -> None:
+        assert self.batch_queue is not None
         traced = self.tracer.begin(plan) if self.tracer is not None else None
         self.batch_queue.append((plan, traced, self._execute_thread.submit(self.executor.execute_model, plan)))
 
     def _finish_oldest(self) -> EngineCoreOutputs:
         """Wait for the oldest plan in flight and update from it."""
+        assert self.batch_queue is not None
         plan, traced, future = self.batch_queue.popleft()
         try:
             model_output = future.result()
