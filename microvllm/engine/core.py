@@ -322,12 +322,16 @@ class EngineCore:
         assert queue is not None
         if self.fault_isolation is not None and self.fault_isolation.active:
             # Finding the request at fault retries one suspect per step: one plan at a time.
-            return self._finish_oldest() if queue else self.step()
+            return self._finish_oldest()[0] if queue else self.step()
         if self.scheduler.has_unfinished_requests() and len(queue) < self.batch_queue_size:
             plan, grammar_rows = self._plan()
             finished = None
             if queue and any(self.scheduler.requests[r].num_output_placeholders > 1 for r in grammar_rows):
-                finished = self._finish_oldest()   # its tokens advance the grammars this plan needs
+                # The older step's tokens advance the grammars this plan needs. Should that
+                # step fail, this plan (made on top of it) is undone with it and not sent.
+                finished, failed = self._finish_oldest(unsent=plan)
+                if failed:
+                    return finished
             self._send(self._with_grammar_bitmask(plan, grammar_rows))
             if finished is not None:
                 return finished
@@ -335,15 +339,16 @@ class EngineCore:
                 return None
         if not queue:
             return None
-        return self._finish_oldest()
+        return self._finish_oldest()[0]
 
     def _send(self, plan: SchedulerOutput) -> None:
         assert self.batch_queue is not None
         traced = self.tracer.begin(plan) if self.tracer is not None else None
         self.batch_queue.append((plan, traced, self._execute_thread.submit(self.executor.execute_model, plan)))
 
-    def _finish_oldest(self) -> EngineCoreOutputs:
-        """Wait for the oldest plan in flight and update from it."""
+    def _finish_oldest(self, unsent: SchedulerOutput | None = None) -> tuple[EngineCoreOutputs, bool]:
+        """Wait for the oldest plan in flight and update from it; (its outputs, whether it
+        failed). A failure undoes every later plan too, ``unsent`` (made, not sent) last."""
         assert self.batch_queue is not None
         plan, traced, future = self.batch_queue.popleft()
         try:
@@ -358,13 +363,13 @@ class EngineCore:
                 except BaseException:  # noqa: BLE001 - undone below whatever it did
                     pass
                 undone.append(later)
-            for each in undone:
+            for each in undone + ([unsent] if unsent is not None else []):
                 self.scheduler.undo_failed_step(each)
             if (self.fault_isolation is None or not isinstance(error, Exception)
                     or isinstance(error, FATAL_ERRORS)):
                 raise
-            return EngineCoreOutputs(self._isolate_fault(plan, error), self.make_stats(plan), time.monotonic())
-        return self.update_from_output(plan, model_output, traced)
+            return EngineCoreOutputs(self._isolate_fault(plan, error), self.make_stats(plan), time.monotonic()), True
+        return self.update_from_output(plan, model_output, traced), False
 
     def schedule(self) -> SchedulerOutput:
         """The scheduler's plan, plus the grammar masks of the structured requests in it."""

@@ -178,3 +178,40 @@ def test_the_core_in_its_own_process(tiny_models, monkeypatch):
             assert tuple(out.outputs[0].token_ids) == hf_greedy(str(tiny_models["llama"]), tuple(prompt), MAX_TOKENS)
     finally:
         llm.shutdown()
+
+
+def test_a_fault_in_a_step_that_a_grammars_plan_waits_for(tmp_path, monkeypatch):
+    """A structured request's plan waits for the step in flight (its mask needs that step's
+    token). When that step raises, the waiting plan was made on top of it: it is undone
+    with it and never sent. Fault isolation fails the request at fault; the others finish
+    with the tokens they get alone."""
+    from microvllm.engine.fault_isolation import FaultIsolation
+    from microvllm.models.tiny import make_tiny_model
+
+    folder = str(make_tiny_model(tmp_path / "llama", "llama", seed=4))
+    mark = 0.777   # the faulty request's temperature: nothing else uses it
+    regex = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"[a-e]+"))
+    prompts = ["the engine", "a block table", "hello world"]
+    params = [regex, SamplingParams(temperature=mark, max_tokens=12, ignore_eos=True), GREEDY]
+    alone = [LLM(folder, max_model_len=128).generate([p], [q], use_tqdm=False)[0].outputs[0].token_ids
+             for p, q in ((prompts[0], regex), (prompts[2], GREEDY))]
+    llm = LLM(folder, max_model_len=128, async_scheduling=True, debug_invariants=True)
+    llm.llm_engine.core.fault_isolation = FaultIsolation()   # as AsyncLLM does
+    sampler = llm.llm_engine.executor.worker.model_runner.sampler
+    real, calls, faults = sampler.forward, [], []
+
+    def faulty(logits, metadata):
+        calls.append(1)
+        # From the 4th step on (the grammar's request decodes, so its plan waits on the step
+        # in flight), every step with the marked request raises: fault isolation pins it.
+        if len(calls) < 4 or not (metadata.temperature == mark).any():
+            return real(logits, metadata)
+        faults.append(1)
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(sampler, "forward", faulty)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert faults and outs[1].error and "injected fault" in outs[1].error
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == alone
+    manager = llm.llm_engine.kv_cache_manager
+    assert manager.block_pool.get_num_free_blocks() == manager.num_usable_blocks
