@@ -304,13 +304,23 @@ def test_malformed_kv_transfer_params_fail_alone_and_the_server_lives(cluster):
     model, servers, _ = cluster
     decode = servers["decode"].url
     results: list[int] = []
+    started = [threading.Event() for _ in range(2)]
 
-    def long_stream() -> None:
-        results.append(post(decode, model, PROMPTS[1], max_tokens=400, timeout=120, ignore_eos=True).status_code)
-    streams = [threading.Thread(target=long_stream) for _ in range(2)]
+    def long_stream(index: int) -> None:
+        # Streamed: its first chunk says it runs (a core in its own process decodes 400 tokens
+        # of this model in well under a second: polling /metrics for "two running" raced it).
+        with httpx.stream("POST", decode + "/v1/completions", timeout=120, json={
+                "model": model, "prompt": PROMPTS[1], "max_tokens": 900, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    started[index].set()
+            results.append(response.status_code)
+        started[index].set()
+    streams = [threading.Thread(target=long_stream, args=(i,)) for i in range(2)]
     for thread in streams:
         thread.start()
-    wait_for(lambda: servers["decode"].metrics().get("num_requests_running", 0) >= 2, 30, "two running streams")
+    assert all(event.wait(30) for event in started), "two running streams"
     prompt = PROMPTS[0] + " once more, with feeling"
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
               "remote_block_ids": list(range(500)), "remote_host": "127.0.0.1", "remote_port": cluster.closed,
