@@ -432,8 +432,8 @@ class Scheduler(KVConnectorScheduling):
                     f"no sampled token for request {request_id!r}: it finished its prefill or decoded "
                     "this step, so the runner must return the token it sampled"
                 )
-            if request.num_output_placeholders:   # async scheduling: the tokens came
-                request.num_output_placeholders = max(request.num_output_placeholders - len(token_ids), 0)
+            # Async scheduling: these tokens were placeholders until now (0 without it).
+            request.num_output_placeholders = max(request.num_output_placeholders - len(token_ids), 0)
             appended = []
             for token_id in token_ids:
                 request.append_output_token_ids(token_id)

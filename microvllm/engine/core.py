@@ -290,10 +290,7 @@ class EngineCore:
             # may be half written. The scheduler puts the step's requests back to be
             # recomputed, so the core stays consistent and usable.
             self.scheduler.undo_failed_step(plan)
-            if (self.fault_isolation is None or not isinstance(error, Exception)
-                    or isinstance(error, FATAL_ERRORS)):
-                raise
-            return EngineCoreOutputs(failed + self._isolate_fault(plan, error), self.make_stats(plan),
+            return EngineCoreOutputs(failed + self._isolate_or_raise(plan, error), self.make_stats(plan),
                                      time.monotonic())
         outputs = self.update_from_output(plan, model_output, traced)
         outputs.outputs[:0] = failed
@@ -365,10 +362,7 @@ class EngineCore:
                 undone.append(later)
             for each in undone + ([unsent] if unsent is not None else []):
                 self.scheduler.undo_failed_step(each)
-            if (self.fault_isolation is None or not isinstance(error, Exception)
-                    or isinstance(error, FATAL_ERRORS)):
-                raise
-            return EngineCoreOutputs(self._isolate_fault(plan, error), self.make_stats(plan), time.monotonic()), True
+            return EngineCoreOutputs(self._isolate_or_raise(plan, error), self.make_stats(plan), time.monotonic()), True
         return self.update_from_output(plan, model_output, traced), False
 
     def schedule(self) -> SchedulerOutput:
@@ -555,6 +549,14 @@ class EngineCore:
         if failures:
             self._forget_finished_grammars()
         return [EngineCoreOutput(rid, (), finish_reason="error", error=why) for rid, why in failures.items()]
+
+    def _isolate_or_raise(self, plan, error: BaseException) -> list[EngineCoreOutput]:
+        """After a failed step's work was undone: serving, fail the request at fault; else
+        (offline, Ctrl-C, a dead worker: the core's state unknown) raise the error."""
+        if (self.fault_isolation is None or not isinstance(error, Exception)
+                or isinstance(error, FATAL_ERRORS)):
+            raise error
+        return self._isolate_fault(plan, error)
 
     def _isolate_fault(self, plan, error: Exception) -> list[EngineCoreOutput]:
         """A step raised (its work is undone): fail the request it can be pinned on, or
