@@ -26,7 +26,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "microvllm"
 LAYERS = [
-    {"envs"},
+    {"envs", "utils"},
     {"sampling_params", "inputs", "trace", "tokenizer", "detokenizer", "core", "csrc",
      "distributed", "profiler"},
     {"attention", "layers"},

@@ -43,6 +43,7 @@ from microvllm.core.outputs import EngineCoreOutput
 from microvllm.engine.core import EngineCore, EngineCoreOutputs, EngineCoreRequest
 from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from microvllm.executor.multiproc_executor import _exit_when_orphaned
+from microvllm.utils.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class EngineCoreProc:
     def start_core(self, config, core_kwargs: dict) -> None:
         """Load the model and size the KV cache, then take input and say READY."""
         self.engine_core = EngineCore(config, **core_kwargs)
+        freeze_gc_heap()   # the model stays for the process's life: the collector skips it
         threading.Thread(target=self._read_inputs, args=(self.input_address,), name="microvllm-core-input",
                          daemon=True).start()
         self.output_queue.put((READY, {"num_kv_blocks": self.engine_core.num_kv_blocks,

@@ -34,6 +34,7 @@ import threading
 import time
 
 from microvllm.executor.multiproc_executor import _exit_when_orphaned
+from microvllm.utils.gc_utils import freeze_gc_heap
 
 STATS_INTERVAL_S = 0.5   # how often an idle core reports (its heartbeat: the API server's /health)
 BUSY_STATS_INTERVAL_S = 0.1   # ... and a busy one (its queues: the load balancer's input)
@@ -135,6 +136,7 @@ class DPEngineCoreProc:
         except BaseException as error:
             _report_startup_failure(index, output_address, error)
             raise
+        freeze_gc_heap()   # the model stays for the process's life: the collector skips it
         asyncio.run(proc.run())
 
 

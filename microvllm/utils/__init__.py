@@ -1,0 +1,1 @@
+"""Small helpers shared by the entry points and the engine core (vLLM: ``vllm/utils/``)."""
