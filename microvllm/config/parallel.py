@@ -22,7 +22,11 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"
-    # Data parallelism: this engine is replica ``data_parallel_rank`` of ``data_parallel_size``
-    # (each a whole model copy; ``engine/dp_async_llm.py``). The rank offsets its KV event ports.
+    # Data parallelism: ``data_parallel_size`` whole model copies, each in an engine core of
+    # its own. One front end over all of them (``DPLBMPClient``, ``engine/core_client.py``)
+    # balances the load itself; with ``data_parallel_external_lb`` (a rank was given) this
+    # engine is replica ``data_parallel_rank`` only and something in front (a router)
+    # balances. The rank offsets the core's KV event ports.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    data_parallel_external_lb: bool = False

@@ -179,6 +179,9 @@ class EngineArgs:
     data_parallel_rank: int | None = field(default=None, metadata=_cli(
         "external load balancing: this server is replica RANK of --data-parallel-size (one "
         "engine core; its KV event ports are offset by RANK); unset: all N cores here"))
+    data_parallel_external_lb: bool = field(default=False, metadata=_cli(
+        "this server runs one rank and a router in front balances the load (implied by "
+        "--data-parallel-rank, as in vLLM)"))
     enforce_eager: bool = field(default=False, metadata=_cli(
         "run the plain model code the notebooks show: no C++ kernels, no packed weights, "
         "no decode fast path (same tokens, slower)"))
@@ -250,10 +253,6 @@ class EngineArgs:
         self._validate()
         self._check_process_options()
         self._check_async_scheduling()
-        if self.data_parallel_size > 1 and self.data_parallel_rank is None:   # DPAsyncLLM gives each core its rank
-            raise ValueError(f"data_parallel_size={self.data_parallel_size}: one engine is one model copy. "
-                             "N copies behind one API server: `microvllm serve --data-parallel-size N`; "
-                             "offline: one LLM per process, each with its share of the prompts")
         model_path = resolve_model_path(self.model)
         quantization = check_quantization(self.quantization, is_gguf=gguf_weights_file(model_path) is not None)
         if quantization is not None and self.tensor_parallel_size > 1:
@@ -391,7 +390,9 @@ class EngineArgs:
         return ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=self.enable_expert_parallel,
                               distributed_executor_backend=self.distributed_executor_backend or "mp",
                               data_parallel_size=self.data_parallel_size,
-                              data_parallel_rank=self.data_parallel_rank or 0)
+                              data_parallel_rank=self.data_parallel_rank or 0,
+                              data_parallel_external_lb=(self.data_parallel_external_lb
+                                                         or self.data_parallel_rank is not None))
 
     def _validate(self) -> None:
         """Every check of one option on its own, with what to change."""

@@ -23,7 +23,9 @@ With ``multiprocess=True`` (``microvllm serve``'s default) the engine's core run
 process of its own (``SyncMPClient``, ``engine/core_proc.py``): the thread above then only
 feeds it and detokenizes, waiting at most ``COMMAND_POLL_S`` for each of its steps, while
 the forward runs on the other process's cores, not under this process's GIL. (vLLM's
-``AsyncMPClient`` does the same from an asyncio task.)
+``AsyncMPClient`` does the same from an asyncio task.) With ``data_parallel_size=N`` the
+same thread feeds N cores (``DPLBMPClient``: each request to the least loaded) and
+``/metrics`` labels each core's samples ``engine="i"``.
 
 Outputs are copied before they cross threads: the engine keeps mutating its own
 ``CompletionOutput`` objects step after step. The loop also keeps the serving
@@ -48,7 +50,7 @@ from typing import Any
 from microvllm.engine.arg_utils import EngineArgs, check_engine_options
 from microvllm.engine.core_client import EngineDeadError
 from microvllm.engine.engine import Engine
-from microvllm.engine.metrics import ServingMetrics
+from microvllm.engine.metrics import PerEngineMetrics, ServingMetrics
 from microvllm.engine.outputs import RequestOutput
 from microvllm.sampling_params import RequestOutputKind, SamplingParams
 from microvllm.structured_output.compile_workers import CompileCancelled, GrammarCompileWorkers
@@ -72,8 +74,7 @@ class RequestRejectedError(RequestFailedError, ValueError):
 class EngineClient:
     """What a server asks of an engine besides running requests: the tokenizer side, on
     threads of its own (vLLM: ``EngineClient``, ``vllm/engine/protocol.py``). ``AsyncLLM``
-    and the data-parallel ``DPAsyncLLM`` (``dp_async_llm.py``) both are one; each sets
-    ``engine`` (whose ``prompts`` and ``tokenize_prompt`` are used here),
+    is one; it sets ``engine`` (whose ``prompts`` and ``tokenize_prompt`` are used here),
     ``tokenizer_threads`` (``new_tokenizer_threads()``) and ``_stopping``."""
 
     engine: Any
@@ -128,7 +129,9 @@ class AsyncLLM(EngineClient):
         # multiprocess: the engine core in a process of its own (serve's default), this
         # thread then only feeds it and turns its outputs into text.
         self.engine = Engine.from_engine_args(self.engine_args, fault_isolation=True, multiprocess=multiprocess)
-        self.metrics = ServingMetrics()
+        num_engines = len(self.engine.stats_per_engine())   # data parallelism: N cores, one front end
+        self.metrics: ServingMetrics | PerEngineMetrics = (
+            ServingMetrics() if num_engines == 1 else PerEngineMetrics(num_engines))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (event loop, asyncio.Queue); touched by both threads, under the lock.
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -274,6 +277,7 @@ class AsyncLLM(EngineClient):
                 self._handle_commands(block=not self.engine.has_unfinished_requests())
                 if self._stopping.is_set():
                     break
+                self.engine.check_health()   # a core process that died while idle: the server stops
                 if self.engine.has_unfinished_requests():
                     # A core in another process: wait a little for its next step, then look
                     # at the commands again (a new request, a client gone).
@@ -309,7 +313,8 @@ class AsyncLLM(EngineClient):
             if kind == "add" and future.set_running_or_notify_cancel():
                 try:
                     self.engine.add_processed_request(payload)
-                    self.metrics.on_arrival(payload.request_id, time.monotonic())
+                    self.metrics.on_arrival(payload.request_id, time.monotonic(),
+                                            self.engine.engine_index_of(payload.request_id))
                     future.set_result(None)
                 except Exception as error:  # a bad request: the caller gets the message
                     future.set_exception(error)
@@ -359,6 +364,11 @@ class AsyncLLM(EngineClient):
     def _update_gauges(self) -> None:
         """The gauges from the core's last stats (``core/stats.py``), after a step or a
         command (an abort frees blocks between steps)."""
+        if isinstance(self.metrics, PerEngineMetrics):   # each data-parallel core its own
+            for index, (metrics, stats) in enumerate(zip(self.metrics.engines, self.engine.stats_per_engine())):
+                metrics.set_gauges(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage,
+                                   *self.engine.prefix_cache_by_engine.get(index, (0, 0)))
+            return
         stats = self.engine.get_stats()
         self.metrics.set_gauges(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage,
                                 self.engine.prefix_cache_queries, self.engine.prefix_cache_hits)

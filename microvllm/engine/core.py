@@ -104,6 +104,7 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    engine_index: int = 0   # which data-parallel core (its process sets it)
 
 
 class EngineCore:

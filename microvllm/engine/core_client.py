@@ -5,10 +5,21 @@ end (``LLMEngine``, ``AsyncLLM``) calls to reach an ``EngineCore`` (``engine/cor
                       default for ``LLM``: a notebook cell can step it and look inside)
     SyncMPClient      the core in a process of its own (``EngineCoreProc``), stepping by
                       itself; get_output() waits for its next step (``LLM`` with
-                      VLLM_ENABLE_V1_MULTIPROCESSING=1)
-    DPAsyncLLM        N data-parallel cores in processes of their own (``engine/dp_async_llm.py``;
-                      its AsyncLLM-in-each-core design is what DPLBAsyncMPClient replaces)
+                      VLLM_ENABLE_V1_MULTIPROCESSING=1, ``AsyncLLM`` in ``serve``)
+    DPLBMPClient      N data-parallel cores, each in a process of its own; each request
+                      goes to the least loaded (``serve --data-parallel-size N``)
 
+The two multiprocess clients share ``MPClient``: one ROUTER socket to send to the cores
+(a message is addressed to one core by its identity) and one PULL socket their outputs
+all arrive on, as vLLM's do::
+
+    front end ── ROUTER ─ ["core-0", ADD, request] ──> DEALER  engine core 0 (EngineCoreProc)
+                        ─ ["core-1", ADD, request] ──> DEALER  engine core 1
+              <─ PULL ─── [OUTPUTS, EngineCoreOutputs(engine_index=r)] ─── PUSH  (every core)
+
+(vLLM drives these from asyncio in ``AsyncLLM``: ``AsyncMPClient``, ``DPLBAsyncMPClient``.
+Here ``AsyncLLM``'s engine thread blocks on ``get_output`` for at most a few
+milliseconds at a time; the load balancing is the same.)
 """
 
 from __future__ import annotations
@@ -20,8 +31,9 @@ import shutil
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
+from multiprocessing.process import BaseProcess
 
 import zmq
 
@@ -42,11 +54,15 @@ from microvllm.engine.core_proc import (
 from microvllm.engine.ipc_dirs import new_socket_dir
 from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+KV_PRESSURE_WEIGHT = 6.0    # vLLM's: a waiting request counts up to 3 times more at a full KV cache
+
 
 class InprocClient:
     """The engine core in the caller's process, stepped by the caller (vLLM's
     ``InprocClient``). ``engine_core`` is the core itself: a learner may read its
     scheduler and KV cache between steps."""
+
+    dead_error = None   # a step's exception reaches the caller itself
 
     def __init__(self, *args, **kwargs):
         self.engine_core = EngineCore(*args, **kwargs)
@@ -86,35 +102,70 @@ class EngineDeadError(RuntimeError):
     """The engine core failed, exited or was shut down: no request can run any more."""
 
 
-class SyncMPClient:
-    """The engine core in a process of its own (``EngineCoreProc``, ``engine/core_proc.py``),
-    for a caller that blocks on each step's outputs (vLLM's ``SyncMPClient``, ``LLM``'s
-    client when ``VLLM_ENABLE_V1_MULTIPROCESSING=1``).
+@dataclass
+class CoreEngine:
+    """The client's view of one engine core process (vLLM: ``CoreEngine``)."""
 
-    The core steps on its own while it has work; ``get_output()`` takes the next step's
-    outputs from a queue that a reader thread fills. The reader also watches the process:
-    a core that dies fails every caller within a second (``EngineDeadError``).
-    """
+    index: int
+    process: BaseProcess
+    in_flight: int = 0         # this client's requests on it, not finished yet (exact)
+    waiting: int = 0           # its last report (+ the requests sent since)
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    latest_stats: SchedulerStats | None = None
+
+    @property
+    def identity(self) -> bytes:
+        """Its address on the client's ROUTER socket (its DEALER's identity)."""
+        return f"core-{self.index}".encode()
+
+    @property
+    def score(self) -> float:
+        """vLLM 0.34's load score (``DPLBMPClient``), for one front end."""
+        score = float(max(self.in_flight, self.waiting + self.running))
+        if self.waiting:
+            score += self.waiting * KV_PRESSURE_WEIGHT * max(0.0, self.kv_cache_usage - 0.5)
+        return score
+
+    def report(self, stats: SchedulerStats) -> None:
+        """What the core said of itself (after a step, or after an abort)."""
+        self.latest_stats = stats
+        self.waiting, self.running = stats.num_waiting_reqs, stats.num_running_reqs
+        self.kv_cache_usage = stats.kv_cache_usage
+
+
+def least_loaded_core(cores: list[CoreEngine], start: int = 0) -> CoreEngine:
+    """The core a new request goes to: the lowest score, scanning from core ``start`` (the
+    first of equal scores wins: the caller rotates ``start``)."""
+    return min(cores[start:] + cores[:start], key=lambda core: core.score)
+
+
+class MPClient:
+    """``num_engines`` engine cores, each in a process of its own (``EngineCoreProc``,
+    ``engine/core_proc.py``), stepping by themselves. ``get_output()`` takes the next
+    step's outputs (of whichever core) from a queue a reader thread fills. The reader also
+    watches the processes: a core that dies fails every caller within a second
+    (``EngineDeadError``), and the client with it (vLLM's engine is dead after one core
+    dies too; a supervisor restarts the server)."""
 
     STARTUP_TIMEOUT_S = 600.0   # loading the model
 
-    def __init__(self, config, *, startup_timeout: float | None = None, **core_kwargs):
+    def __init__(self, config, *, num_engines: int = 1, startup_timeout: float | None = None, **core_kwargs):
+        # The folder's name holds our pid: removed at shutdown, or (after kill -9, when
+        # nothing of ours can run) by the next client that finds that pid dead.
         self._socket_dir = new_socket_dir()
         input_address, output_address = f"ipc://{self._socket_dir}/input", f"ipc://{self._socket_dir}/output"
         self._context = zmq.Context()
-        self._input = self._context.socket(zmq.PUSH)
+        self._input = self._context.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.LINGER, 0)
-        # A PUSH with no peer (the core gone, or not yet up) blocks a send: wait 1 s at most.
-        self._input.setsockopt(zmq.SNDTIMEO, 1000)
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a message to a core gone raises
+        self._input.setsockopt(zmq.SNDTIMEO, 1000)        # ... or, its queue full, waits 1 s at most
         self._input.bind(input_address)
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
         self._encoder = MsgpackEncoder()
         self._outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
-        self._stats_decoder = MsgpackDecoder(SchedulerStats)
-        # The core's state as its last message said (gauges: read when no step follows).
-        self.latest_stats: SchedulerStats | None = None
         self._decoder = MsgpackDecoder()
         self._send_lock = threading.Lock()    # a ZMQ socket is not thread-safe
         self._outputs: queue.Queue = queue.Queue()
@@ -122,12 +173,22 @@ class SyncMPClient:
         self._call_ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self._stopping = threading.Event()
-        # Not a daemon: the core may start processes of its own (tensor-parallel workers).
-        # It exits when this process does (_exit_when_orphaned).
-        self.process = get_context("spawn").Process(
-            target=EngineCoreProc.run_engine_core, name="microvllm-engine-core",
-            args=(config, core_kwargs, input_address, output_address, os.getpid()))
-        self.process.start()
+        # The cores share this machine's CPU cores: each gets its share of torch's threads.
+        num_threads = max(1, (os.cpu_count() or 1) // num_engines) if num_engines > 1 else None
+        self.cores: list[CoreEngine] = []
+        for index in range(num_engines):
+            rank_config = config
+            if num_engines > 1:   # each core its rank (its KV event ports are offset by it)
+                rank_config = replace(config, parallel_config=replace(config.parallel_config,
+                                                                      data_parallel_rank=index))
+            # Not a daemon: a core may start processes of its own (tensor-parallel workers).
+            # It exits when this process does (_exit_when_orphaned).
+            process = get_context("spawn").Process(
+                target=EngineCoreProc.run_engine_core,
+                name="microvllm-engine-core" if num_engines == 1 else f"microvllm-engine-core{index}",
+                args=(rank_config, core_kwargs, input_address, output_address, os.getpid(), index, num_threads))
+            process.start()
+            self.cores.append(CoreEngine(index, process))
         try:
             ready = self._wait_until_ready(startup_timeout or self.STARTUP_TIMEOUT_S)
         except BaseException:
@@ -139,20 +200,35 @@ class SyncMPClient:
         self._reader.start()
 
     def _wait_until_ready(self, timeout: float) -> dict:
-        """The handshake: the core says READY once its model and KV cache are up."""
+        """The handshake: each core's DEALER says hello on the input socket (the ROUTER can
+        address it from then on), and READY once its model and KV cache are up."""
         deadline = time.monotonic() + timeout
-        while True:
-            if self._output.poll(200, zmq.POLLIN):
+        ready: dict[int, dict] = {}
+        hello: set[bytes] = set()
+        poller = zmq.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        poller.register(self._input, zmq.POLLIN)
+        while len(ready) < len(self.cores) or len(hello) < len(self.cores):
+            events = dict(poller.poll(200))
+            if self._input in events:
+                hello.add(self._input.recv_multipart()[0])
+            if self._output in events:
                 kind, payload = self._output.recv_multipart()
                 if kind == READY:
-                    return self._decoder.decode(payload)
-                if kind == DEAD:   # a bad setting is a ValueError here as it would be in-process
-                    raise _error_of(*self._decoder.decode(payload))
-            elif not self.process.is_alive():
-                raise RuntimeError(f"the engine core process exited with code {self.process.exitcode} while "
-                                   "starting: its error is printed above")
+                    answer = self._decoder.decode(payload)
+                    ready[answer["engine_index"]] = answer
+                elif kind == DEAD:   # a bad setting is a ValueError here as it would be in-process
+                    raise _error_of(*self._decoder.decode(payload)[:2])
+            for core in self.cores:
+                if core.index not in ready and not core.process.is_alive():
+                    raise RuntimeError(f"the engine core process{self._which(core)} exited with code "
+                                       f"{core.process.exitcode} while starting: its error is printed above")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")
+        return ready[0]
+
+    def _which(self, core: CoreEngine) -> str:
+        return f" {core.index}" if len(self.cores) > 1 else ""
 
     def _read_outputs(self) -> None:
         """The reader thread: each output to the queue, each utility result to its caller;
@@ -160,28 +236,29 @@ class SyncMPClient:
         while not self._stopping.is_set():
             try:
                 if not self._output.poll(250, zmq.POLLIN):
-                    if not self.process.is_alive():
-                        self._die(f"the engine core process (pid {self.process.pid}) exited with code "
-                                  f"{self.process.exitcode}")
-                        return
+                    for core in self.cores:
+                        if not core.process.is_alive():
+                            self._die(f"the engine core process{self._which(core)} (pid {core.process.pid}) "
+                                      f"exited with code {core.process.exitcode}")
+                            return
                     continue
                 kind, payload = self._output.recv_multipart()
             except zmq.ZMQError:   # the context was destroyed: shut down
                 return
-            if kind == OUTPUTS:
+            if kind == OUTPUTS or kind == STATS:
                 outputs = self._outputs_decoder.decode(payload)
-                self.latest_stats = outputs.scheduler_stats or self.latest_stats
-                self._outputs.put(outputs)
-            elif kind == STATS:
-                self.latest_stats = self._stats_decoder.decode(payload)
+                if outputs.scheduler_stats is not None:
+                    self.cores[outputs.engine_index].report(outputs.scheduler_stats)
+                if kind == OUTPUTS:
+                    self._outputs.put(outputs)
             elif kind == UTILITY_OUTPUT:
                 call_id, result, error = self._decoder.decode(payload)
                 answer = self._calls.pop(call_id, None)
                 if answer is not None:
                     answer.put((result, error))
             elif kind == DEAD:
-                error_type, message = self._decoder.decode(payload)
-                self._die(f"the engine core failed: {error_type}: {message}")
+                error_type, message, index = self._decoder.decode(payload)
+                self._die(f"the engine core{self._which(self.cores[index])} failed: {error_type}: {message}")
                 return
 
     def _die(self, message: str) -> None:
@@ -190,23 +267,24 @@ class SyncMPClient:
         for answer in list(self._calls.values()):
             answer.put((None, ("EngineDeadError", message)))
 
-    def _send(self, kind: bytes, payload) -> None:
-        if self.dead_error is not None:
+    def _send(self, core: CoreEngine, kind: bytes, payload, *, even_if_dead: bool = False) -> None:
+        if self.dead_error is not None and not even_if_dead:
             raise self.dead_error
         try:
             with self._send_lock:
-                self._input.send_multipart([kind, self._encoder.encode(payload)])
-        except zmq.Again:
-            raise self.dead_error or EngineDeadError("the engine core takes no input: its process is gone") from None
+                self._input.send_multipart([core.identity, kind, self._encoder.encode(payload)])
+        except zmq.ZMQError:   # EHOSTUNREACH (gone) or EAGAIN (not reading)
+            raise self.dead_error or EngineDeadError(
+                f"the engine core{self._which(core)} takes no input: its process is gone") from None
 
-    def call_utility(self, method: str, *args):
-        """Run ``EngineCore.<method>(*args)`` in the core's process, between two of its
+    def call_utility(self, method: str, *args, core: int = 0):
+        """Run ``EngineCore.<method>(*args)`` in core ``core``'s process, between two of its
         steps; its result, or its exception raised here (as the same kind where it is a
         ``ValueError`` or a ``TypeError``)."""
         call_id = next(self._call_ids)
         answer: queue.Queue = queue.Queue()
         self._calls[call_id] = answer
-        self._send(UTILITY, (call_id, method, list(args)))
+        self._send(self.cores[core], UTILITY, (call_id, method, list(args)))
         result, error = answer.get()
         if error is not None:
             raise _error_of(*error)
@@ -214,7 +292,7 @@ class SyncMPClient:
 
     # ------------------------------------------------------------ the API
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        """The next step's outputs (blocks until the core sends them, or ``timeout``
+        """The next step's outputs, of any core (blocks until one sends them, or ``timeout``
         seconds: then None)."""
         if self.dead_error is not None:
             raise self.dead_error
@@ -224,18 +302,32 @@ class SyncMPClient:
             return None
         if isinstance(outputs, BaseException):
             raise outputs
+        self._finished(outputs)
         return outputs
+
+    def _finished(self, outputs: EngineCoreOutputs) -> None:
+        """The requests that ended in these outputs (a subclass counts them)."""
 
     def add_request(self, request: EngineCoreRequest) -> None:
         # A compiled grammar is no plain data: the core compiles its own from the params.
-        self._send(ADD, replace(request, grammar=None) if request.grammar is not None else request)
+        self._send(self.core_for(request), ADD,
+                   replace(request, grammar=None) if request.grammar is not None else request)
+
+    def core_for(self, request: EngineCoreRequest) -> CoreEngine:
+        """The core that runs ``request``."""
+        return self.cores[0]
 
     def abort_requests(self, request_ids: Iterable[str], *, stop_string: bool = False) -> None:
-        self._send(ABORT, (list(request_ids), stop_string))
+        self._send(self.cores[0], ABORT, (list(request_ids), stop_string))
 
     def has_unfinished_requests(self) -> bool:
-        """False: this core steps by itself; the front end knows what it still waits for."""
+        """False: the cores step by themselves; the front end knows what it still waits for."""
         return False
+
+    @property
+    def latest_stats(self) -> SchedulerStats | None:
+        """The core's state as its last message said (gauges: read when no step follows)."""
+        return self.cores[0].latest_stats
 
     def check_fits(self, name: str, token_ids: list[int]) -> None:
         if len(token_ids) > self.max_prompt_tokens:   # the core words the error
@@ -248,24 +340,150 @@ class SyncMPClient:
         self.call_utility("request_refused", kv_transfer_params, token_ids)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return self.call_utility("reset_prefix_cache", reset_running_requests)
+        """Every core forgets its cached block hashes; False if any had blocks in use."""
+        return all([self.call_utility("reset_prefix_cache", reset_running_requests, core=core.index)
+                    for core in self.cores])
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the core process (it stops its own workers), then the sockets. Idempotent."""
+        """Stop the core processes (each stops its own workers), then the sockets. Idempotent."""
         if self._stopping.is_set():
             return
         self._stopping.set()
-        if self.process.is_alive() and self.dead_error is None:
-            try:
-                self._send(SHUTDOWN, None)
-            except Exception:  # noqa: BLE001 - it is going anyway (killed below if not)
-                pass
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
+        for core in self.cores:   # one core dead: the others are stopped all the same
+            if core.process.is_alive():
+                try:
+                    self._send(core, SHUTDOWN, None, even_if_dead=True)
+                except Exception:  # noqa: BLE001 - it is going anyway (killed below if not)
+                    pass
+        deadline = time.monotonic() + timeout
+        for core in self.cores:
+            core.process.join(max(0.1, deadline - time.monotonic()))
+            if core.process.is_alive():
+                core.process.kill()
+                core.process.join(5)
         self._context.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+class SyncMPClient(MPClient):
+    """One engine core in a process of its own, for a caller that blocks on each step's
+    outputs (vLLM's ``SyncMPClient``: ``LLM``'s client when
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=1``)."""
+
+    def __init__(self, config, *, startup_timeout: float | None = None, **core_kwargs):
+        super().__init__(config, num_engines=1, startup_timeout=startup_timeout, **core_kwargs)
+
+    @property
+    def process(self) -> BaseProcess:
+        """The core's process."""
+        return self.cores[0].process
+
+
+class DPLBMPClient(MPClient):
+    """``data_parallel_size`` engine cores (each a whole model copy and KV cache) behind one
+    front end, each request sent to the least loaded (vLLM: ``DPLBAsyncMPClient``, the
+    "internal load balancer" of ``vllm serve --data-parallel-size N``).
+
+    The load score is vLLM 0.34's (``get_core_engine_for_request``)::
+
+        score = max(in_flight, waiting + running)               what it runs and queues
+              + waiting * 6 * max(0, kv_cache_usage - 0.5)      a queue on a full KV cache
+
+    ``waiting``, ``running`` and ``kv_cache_usage`` are what the core last reported (after
+    each step); ``in_flight`` is this client's own count of its requests on that core not
+    finished yet, exact at every moment: a burst spreads over the cores even before any of
+    them reports (a report cannot erase a request it has not seen yet). A waiting queue
+    counts extra only when the core's KV cache is over half full, where a queue drains
+    slowly; below that it is a burst's transient and the cores take turns. After a pick
+    the chosen core's ``waiting`` grows by one until its next report, and the scan starts
+    one core further on, so that ties (idle cores) do not always go to core 0.
+
+    Each core's prefix cache is its own: requests that share a prompt prefix hit it only
+    on the core that computed it. This balancer does not look at prompts; a cache-aware
+    router in front of N separate servers does (README: "Replicas behind a router").
+    """
+
+    def __init__(self, config, *, startup_timeout: float | None = None, **core_kwargs):
+        check_data_parallel_events(config)
+        self._request_core: dict[str, CoreEngine] = {}   # touched by the caller's thread only
+        self._scan_start = 0
+        super().__init__(config, num_engines=config.parallel_config.data_parallel_size,
+                         startup_timeout=startup_timeout, **core_kwargs)
+
+    def core_for(self, request: EngineCoreRequest) -> CoreEngine:
+        core = least_loaded_core(self.cores, self._scan_start)
+        self._scan_start = (self._scan_start + 1) % len(self.cores)
+        self._request_core[request.request_id] = core
+        core.in_flight += 1
+        core.waiting += 1   # until its next report counts it
+        return core
+
+    def engine_index_of(self, request_id: str) -> int:
+        """The core that runs ``request_id`` (0 once it finished)."""
+        core = self._request_core.get(request_id)
+        return core.index if core is not None else 0
+
+    def _finished(self, outputs: EngineCoreOutputs) -> None:
+        for out in outputs.outputs:
+            if out.finished:
+                self._forget(out.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        core = self._request_core.pop(request_id, None)
+        if core is not None:
+            core.in_flight -= 1
+
+    def abort_requests(self, request_ids: Iterable[str], *, stop_string: bool = False) -> None:
+        """Each to the core that runs it (an id no core runs: nothing to do)."""
+        by_core: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            core = self._request_core.get(request_id)
+            if core is not None:
+                by_core.setdefault(core.index, []).append(request_id)
+                self._forget(request_id)
+        for index, ids in by_core.items():
+            self._send(self.cores[index], ABORT, (ids, stop_string))
+
+    @property
+    def latest_stats(self) -> SchedulerStats | None:
+        """All the cores' last stats added up (KV usage: their mean)."""
+        reports = [core.latest_stats for core in self.cores if core.latest_stats is not None]
+        if not reports:
+            return None
+        return SchedulerStats(num_running_reqs=sum(s.num_running_reqs for s in reports),
+                              num_waiting_reqs=sum(s.num_waiting_reqs for s in reports),
+                              kv_cache_usage=sum(s.kv_cache_usage for s in reports) / len(self.cores))
+
+
+def check_data_parallel_events(config) -> None:
+    """KV events with N cores on one machine: core r publishes on the endpoint's port + r
+    and answers replay on the replay endpoint's port + r. An ``ipc://`` path cannot be
+    offset (every core would bind it), and the two port ranges must not overlap (5557 and
+    5558 with two cores: core 1's events would take core 0's replay port)."""
+    events, size = config.kv_events_config, config.parallel_config.data_parallel_size
+    if events is None or not events.enable_kv_cache_events:
+        return
+    if events.endpoint.startswith("ipc://"):
+        raise ValueError(f"kv_events_config endpoint {events.endpoint!r}: with data_parallel_size={size} "
+                         "every core would bind that one path; use tcp://127.0.0.1:PORT (core r publishes "
+                         "on PORT + r, as vLLM's do; tcp://*:PORT for a router on another host)")
+    pub, replay = _tcp_port(events.endpoint), _tcp_port(events.replay_endpoint)
+    if pub is None or replay is None:
+        return
+    if set(range(pub, pub + size)) & set(range(replay, replay + size)):
+        raise ValueError(
+            f"kv_events_config: with data_parallel_size={size} core r publishes on port {pub} + r and "
+            f"answers replay on port {replay} + r, and these overlap: give the replay_endpoint a port of at "
+            f"least {pub + size} (e.g. tcp://127.0.0.1:{pub + size})")
+
+
+def _tcp_port(endpoint: str | None) -> int | None:
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return None
+    try:
+        return int(endpoint.rpartition(":")[2])
+    except ValueError:
+        return None
 
 
 def _error_of(error_type: str, message: str) -> Exception:

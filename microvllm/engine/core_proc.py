@@ -2,28 +2,26 @@
 ``vllm/v1/engine/core.py``).
 
 ``EngineCoreProc``: one ``EngineCore`` behind two ZMQ sockets, driven by a client in the
-front end's process (``SyncMPClient``, ``engine/core_client.py``)::
+front end's process (``MPClient``, ``engine/core_client.py``: one core, or N
+data-parallel ones, all on the client's two sockets)::
 
-    front end (LLMEngine)                           engine core process
-    ─────────────────────                           ───────────────────
-    SyncMPClient ── PUSH ─ [ADD, EngineCoreRequest] ──> PULL ─> input thread ─> input_queue
-                         ─ [ABORT, (ids, stop_string)]                              │
-                         ─ [UTILITY, (call id, method, args)]                       v
+    front end (LLMEngine)                           engine core process r
+    ─────────────────────                           ─────────────────────
+    MPClient ── ROUTER ─ ["core-r", ADD, EngineCoreRequest] ──> DEALER ─> input thread ─> input_queue
+                       ─ ["core-r", ABORT, (ids, stop_string)]        (says hello first)     │
+                       ─ ["core-r", UTILITY, (call id, method, args)]                        v
                                                                  busy loop: take the input, then
                                                                  one EngineCore.step() if any
                                                                  request is unfinished
-                 <─ PULL ─ [OUTPUTS, EngineCoreOutputs] ─── PUSH <─ output thread <─ output_queue
-                           [STATS, SchedulerStats]     after an abort (no step may follow)
-                           [UTILITY_OUTPUT, (call id, result, error)]
-                           [READY, {num_kv_blocks, max_prompt_tokens}]   once, after the model loads
-                           [DEAD, (error type, message)]                 the core failed: it exits 1
+             <─ PULL ─ [OUTPUTS, EngineCoreOutputs] ──────────── PUSH <─ output thread <─ output_queue
+                       [STATS, EngineCoreOutputs (stats only)]   after an abort (no step may follow)
+                       [UTILITY_OUTPUT, (call id, result, error)]
+                       [READY, {engine_index, num_kv_blocks, max_prompt_tokens}]   once, model loaded
+                       [DEAD, (error type, message, engine_index)]   the core failed: it exits 1
 
 Every message is msgspec (``engine/serial_utils.py``): a socket that unpickled could be
 made to run anything. The threads do the (de)serializing and the socket waits, so the
 busy loop spends its time stepping, as in vLLM; the loop is the only user of the core.
-
-Data parallelism still uses an older shape, a whole ``AsyncLLM`` per core process
-(``engine/dp_core_proc.py``).
 """
 
 from __future__ import annotations
@@ -59,9 +57,10 @@ UTILITY_METHODS = frozenset({"check_fits", "check_kv_transfer_params", "request_
 class EngineCoreProc:
     """The busy loop of an engine core in its own process (vLLM: ``run_busy_loop``)."""
 
-    def __init__(self, input_address: str, output_address: str):
+    def __init__(self, input_address: str, output_address: str, engine_index: int = 0):
         self.context = zmq.Context()
         self.input_address, self.output_address = input_address, output_address
+        self.engine_index = engine_index
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self.request_decoder = MsgpackDecoder(EngineCoreRequest)
@@ -75,14 +74,17 @@ class EngineCoreProc:
         freeze_gc_heap()   # the model stays for the process's life: the collector skips it
         threading.Thread(target=self._read_inputs, args=(self.input_address,), name="microvllm-core-input",
                          daemon=True).start()
-        self.output_queue.put((READY, {"num_kv_blocks": self.engine_core.num_kv_blocks,
+        self.output_queue.put((READY, {"engine_index": self.engine_index,
+                                       "num_kv_blocks": self.engine_core.num_kv_blocks,
                                        "max_prompt_tokens": self.engine_core.max_prompt_tokens()}))
 
     # ------------------------------------------------------------ threads
     def _read_inputs(self, address: str) -> None:
         """The input thread: decode each message and queue it for the busy loop."""
-        socket = self.context.socket(zmq.PULL)
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, f"core-{self.engine_index}".encode())   # the client's address for us
         socket.connect(address)
+        socket.send(b"")   # hello: the client's ROUTER knows us once this arrives
         while True:
             try:
                 kind, payload = socket.recv_multipart()
@@ -123,6 +125,7 @@ class EngineCoreProc:
             if self.engine_core.has_unfinished_requests():
                 outputs = self.engine_core.step_fn()
                 if outputs is not None:   # async scheduling: None when a step was only sent off
+                    outputs.engine_index = self.engine_index
                     self.output_queue.put((OUTPUTS, outputs))
 
     def _process_input_queue(self) -> bool:
@@ -151,12 +154,14 @@ class EngineCoreProc:
                 core.request_refused(kv_transfer_params, payload.prompt_token_ids)
                 refused = EngineCoreOutput(payload.request_id, (), finish_reason="error", error=str(refusal),
                                            bad_request=True)
-                self.output_queue.put((OUTPUTS, EngineCoreOutputs([refused], timestamp=time.monotonic())))
+                self.output_queue.put((OUTPUTS, EngineCoreOutputs([refused], timestamp=time.monotonic(),
+                                                                  engine_index=self.engine_index)))
         elif kind == ABORT:
             request_ids, stop_string = payload
             core.abort_requests(request_ids, stop_string=stop_string)
             # Its blocks are free now: the gauges must say so even if no step follows.
-            self.output_queue.put((STATS, core.make_stats()))
+            self.output_queue.put((STATS, EngineCoreOutputs(scheduler_stats=core.make_stats(),
+                                                            engine_index=self.engine_index)))
         elif kind == UTILITY:
             call_id, method, args = payload
             failed: tuple[str, str] | None = None
@@ -170,12 +175,16 @@ class EngineCoreProc:
 
     @staticmethod
     def run_engine_core(config, core_kwargs: dict, input_address: str, output_address: str,
-                        parent_pid: int) -> None:
+                        parent_pid: int, engine_index: int = 0, num_threads: int | None = None) -> None:
         """The process's entry point (``multiprocessing`` spawn). Exits 0 after SHUTDOWN, 1
-        after sending DEAD (a failed start or step); the client sees either."""
+        after sending DEAD (a failed start or step); the client sees either.
+        ``num_threads``: torch's threads, when N data-parallel cores share this machine."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the front end, which decides
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-        proc = EngineCoreProc(input_address, output_address)
+        if num_threads is not None:
+            import torch
+            torch.set_num_threads(num_threads)
+        proc = EngineCoreProc(input_address, output_address, engine_index)
         try:
             proc.start_core(config, core_kwargs)
             proc.run_busy_loop()
@@ -183,7 +192,7 @@ class EngineCoreProc:
             code = 0
         except BaseException as error:  # noqa: BLE001 - the client must hear why
             logger.error("the engine core failed:\n%s", traceback.format_exc())
-            proc.output_queue.put((DEAD, (type(error).__name__, str(error))))
+            proc.output_queue.put((DEAD, (type(error).__name__, str(error), engine_index)))
             code = 1
         proc.close()
         os._exit(code)   # at once: what is left to run at exit (torch's, zmq's) could only hang

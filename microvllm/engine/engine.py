@@ -17,7 +17,8 @@ The client is an ``InprocClient`` by default: the core runs in this process, one
 per ``step()`` call, so a notebook cell can step it and look inside (``engine.scheduler``,
 ``engine.kv_cache_manager``: the core's own). With ``VLLM_ENABLE_V1_MULTIPROCESSING=1``
 (vLLM's default) it is a ``SyncMPClient``: the core steps by itself in a process of its
-own, and ``step()`` takes its next step's outputs. The front end never touches a block or
+own, and ``step()`` takes its next step's outputs; with ``data_parallel_size=N`` (and no
+rank: ``serve --data-parallel-size N``) a ``DPLBMPClient`` over N such cores. The front end never touches a block or
 a tensor; the core never touches text.
 """
 
@@ -32,7 +33,7 @@ from microvllm.config import EngineConfig
 from microvllm.config.components import component
 from microvllm.core.stats import SchedulerStats
 from microvllm.detokenizer import IncrementalDetokenizer
-from microvllm.engine.core_client import InprocClient, SyncMPClient
+from microvllm.engine.core_client import DPLBMPClient, InprocClient, MPClient, SyncMPClient
 from microvllm.engine.fault_isolation import FaultIsolation
 from microvllm.engine.input_processor import InputProcessor, ProcessedRequest
 from microvllm.engine.output_processor import OutputProcessor
@@ -77,13 +78,21 @@ class Engine:
             self.prompts.tokenizer, component(components, "detokenizer", IncrementalDetokenizer))
         if multiprocess is None:
             multiprocess = envs.enable_v1_multiprocessing()
-        self.engine_core: InprocClient | SyncMPClient
+        parallel = config.parallel_config
+        data_parallel = parallel.data_parallel_size > 1 and not parallel.data_parallel_external_lb
+        if data_parallel and not multiprocess:
+            raise ValueError(f"data_parallel_size={parallel.data_parallel_size}: one engine core is one model "
+                             "copy, and N of them run in processes of their own: set "
+                             "VLLM_ENABLE_V1_MULTIPROCESSING=1 (AsyncLLM: multiprocess=True), or use `microvllm "
+                             "serve --data-parallel-size N`; or run one LLM per process with data_parallel_rank=r, "
+                             "each with its share of the prompts")
+        self.engine_core: InprocClient | MPClient
         if multiprocess:
             check_multiprocess_hooks(components, trace)
             # The core in a process of its own: its checks cross the socket; grammars are
             # checked (compiled) here and compiled again, from the cache, there.
-            self.engine_core = SyncMPClient(config, debug_invariants=debug_invariants,
-                                            fault_isolation=fault_isolation)
+            client = DPLBMPClient if data_parallel else SyncMPClient
+            self.engine_core = client(config, debug_invariants=debug_invariants, fault_isolation=fault_isolation)
             structured_output_manager = StructuredOutputManager(
                 self.prompts.tokenizer, model_config.hf_config.vocab_size,
                 config.structured_outputs_config.structured_outputs_backend,
@@ -102,6 +111,7 @@ class Engine:
         # Prefix caching, vLLM's counters: tokens looked up when requests were admitted (or
         # resumed after a preemption), and how many of them were found cached.
         self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.prefix_cache_by_engine: dict[int, tuple[int, int]] = {}   # data-parallel core -> (queries, hits)
         # Mixtures of experts: (token, expert) pairs each MoE layer routed to each expert
         # ({layer index: [count per expert]}).
         self.expert_load: dict[str, list[int]] = {}
@@ -203,10 +213,16 @@ class Engine:
         if failed:    # the other samples of a request the core failed
             self.engine_core.abort_requests(failed)
         if core_outputs.scheduler_stats is not None:
-            self._record_stats(core_outputs.scheduler_stats)
+            self._record_stats(core_outputs.scheduler_stats, core_outputs.engine_index)
         if self.debug_invariants:
             self.check_invariants()
         return outputs
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if a core in another process died (vLLM's
+        ``check_health``), even while no request waits for it."""
+        if self.engine_core.dead_error is not None:
+            raise self.engine_core.dead_error
 
     def get_stats(self) -> SchedulerStats:
         """The core's state now (a core in another process: as its last step left it)."""
@@ -214,11 +230,27 @@ class Engine:
             return self.core.make_stats()
         return self.engine_core.latest_stats or self.scheduler_stats
 
-    def _record_stats(self, stats: SchedulerStats) -> None:
+    def stats_per_engine(self) -> list[SchedulerStats]:
+        """Each data-parallel core's state as its last message said (one core: ``[get_stats()]``)."""
+        if not isinstance(self.engine_core, DPLBMPClient):
+            return [self.get_stats()]
+        return [core.latest_stats or SchedulerStats() for core in self.engine_core.cores]
+
+    def engine_index_of(self, request_id: str) -> int:
+        """The data-parallel core that runs ``request_id`` (its first sample's; 0 with one core)."""
+        child_ids = self.output_processor.child_ids(request_id)
+        if not child_ids or not isinstance(self.engine_core, DPLBMPClient):
+            return 0
+        return self.engine_core.engine_index_of(child_ids[0])
+
+    def _record_stats(self, stats: SchedulerStats, engine_index: int = 0) -> None:
         """Add a step's counts to the engine's totals (vLLM: the stat loggers)."""
         self.scheduler_stats = stats
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
+        queries, hits = self.prefix_cache_by_engine.get(engine_index, (0, 0))
+        self.prefix_cache_by_engine[engine_index] = (queries + stats.prefix_cache_queries,
+                                                     hits + stats.prefix_cache_hits)
         for layer, counts in stats.expert_load.items():   # mixtures of experts
             total = self.expert_load.setdefault(layer, [0] * len(counts))
             self.expert_load[layer] = [a + b for a, b in zip(total, counts)]

@@ -65,9 +65,12 @@ class _Timing:
 
 
 class ServingMetrics:
-    """Counters, gauges and histograms of one engine, rendered by ``render()``."""
+    """Counters, gauges and histograms of one engine, rendered by ``render()``.
+    ``engine_index``: one of N data-parallel cores, its samples labelled ``engine="i"``
+    (vLLM's label; ``PerEngineMetrics``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_index: int | None = None) -> None:
+        self.engine_index = engine_index
         self._lock = threading.Lock()
         self._timings: dict[str, _Timing] = {}
         self.num_requests_running = 0
@@ -84,7 +87,8 @@ class ServingMetrics:
         self.spec_decoding: SpecDecodingStats | None = None   # None: speculative decoding is off
 
     # ------------------------------------------------ the engine thread
-    def on_arrival(self, request_id: str, now: float) -> None:
+    def on_arrival(self, request_id: str, now: float, engine_index: int = 0) -> None:
+        """``engine_index``: the core that runs it (``PerEngineMetrics``; one core here)."""
         with self._lock:
             self._timings[request_id] = _Timing(now)
 
@@ -134,6 +138,8 @@ class ServingMetrics:
     def render(self, model_name: str) -> str:
         """The Prometheus text exposition (version 0.0.4)."""
         label = f'model_name="{model_name}"'
+        if self.engine_index is not None:
+            label = f'engine="{self.engine_index}",{label}'
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, values: list[str]) -> None:
@@ -171,6 +177,45 @@ class ServingMetrics:
             if self.spec_decoding is not None:
                 lines.extend(spec_decoding_lines(self.spec_decoding, label))
         return "\n".join(lines) + "\n"
+
+
+class PerEngineMetrics:
+    """The metrics of N data-parallel cores behind one front end: one ``ServingMetrics``
+    per core, each request counted on the core that runs it, rendered as one exposition
+    (each metric's HELP and TYPE once, then every core's samples, ``engine="i"``)."""
+
+    def __init__(self, num_engines: int) -> None:
+        self.engines = [ServingMetrics(index) for index in range(num_engines)]
+        self._engine_of: dict[str, ServingMetrics] = {}   # request id -> its core's metrics
+
+    def on_arrival(self, request_id: str, now: float, engine_index: int = 0) -> None:
+        metrics = self._engine_of[request_id] = self.engines[engine_index]
+        metrics.on_arrival(request_id, now)
+
+    def on_abort(self, request_id: str) -> None:
+        metrics = self._engine_of.pop(request_id, None)
+        if metrics is not None:
+            metrics.on_abort(request_id)
+
+    def on_output(self, out, now: float) -> None:
+        metrics = self._engine_of.get(out.request_id)
+        if metrics is not None:
+            metrics.on_output(out, now)
+            if out.finished:
+                del self._engine_of[out.request_id]
+
+    def render(self, model_name: str) -> str:
+        families: dict[str, list[str]] = {}   # metric -> its HELP, TYPE, then every core's samples
+        for index, metrics in enumerate(self.engines):
+            name = ""
+            for line in metrics.render(model_name).splitlines():
+                if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                    name = line.split()[2]
+                    if index == 0:
+                        families.setdefault(name, []).append(line)
+                elif line:
+                    families.setdefault(name, []).append(line)
+        return "".join(line + "\n" for lines in families.values() for line in lines)
 
 
 def spec_decoding_lines(stats: SpecDecodingStats, label: str) -> list[str]:

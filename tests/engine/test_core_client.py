@@ -19,7 +19,7 @@ from microvllm import LLM, SamplingParams
 from microvllm.core.outputs import EngineCoreOutput, LogprobsLists
 from microvllm.core.stats import SchedulerStats
 from microvllm.engine.core import EngineCoreOutputs, EngineCoreRequest
-from microvllm.engine.core_client import EngineDeadError, InprocClient, SyncMPClient
+from microvllm.engine.core_client import DPLBMPClient, EngineDeadError, InprocClient, SyncMPClient
 from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from microvllm.models.tiny import make_tiny_model
 from microvllm.sampling_params import StructuredOutputsParams
@@ -73,6 +73,31 @@ def test_the_same_tokens_through_both_clients(tiny, monkeypatch):
     finally:
         there.shutdown()
     assert not there.llm_engine.engine_core.process.is_alive()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_two_data_parallel_cores_give_the_same_tokens(tiny, monkeypatch, async_scheduling):
+    """``DPLBMPClient``: the requests (a request's n samples too) spread over two cores,
+    each in its own process, and come back as one core in this process gives them."""
+    prompts = ["hello there", "the cat sat on", {"prompt_token_ids": [5, 6, 7, 8, 9]}, "a b c d"] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=16, stop=["e"]),
+              SamplingParams(temperature=0.0, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(regex="(ab|cd)+"))] * 2
+    expected = LLM(tiny, max_model_len=128, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    there = _mp_llm(tiny, monkeypatch, max_model_len=128, num_kv_blocks=64, data_parallel_size=2,
+                    async_scheduling=async_scheduling)
+    client = there.llm_engine.engine_core
+    try:
+        assert isinstance(client, DPLBMPClient) and len(client.cores) == 2
+        assert _summary(there.generate(prompts, params, use_tqdm=False)) == _summary(expected)
+        assert sorted(index for index, _ in there.llm_engine.prefix_cache_by_engine.items()) == [0, 1], \
+            "every request went to one core"
+        assert [core.in_flight for core in client.cores] == [0, 0]
+    finally:
+        there.shutdown()
+    assert not any(core.process.is_alive() for core in client.cores)
 
 
 def test_a_core_in_another_process_refuses_with_the_same_words(tiny, monkeypatch):

@@ -1,5 +1,6 @@
-"""``microvllm serve --data-parallel-size 2``, for real: one API server process and two
-engine-core processes (``engine/dp_async_llm.py``, ``engine/dp_core_proc.py``) on 127.0.0.1.
+"""``microvllm serve --data-parallel-size 2``, for real: one API server process (one
+``AsyncLLM``, its client a ``DPLBMPClient``) and two engine-core processes
+(``EngineCoreProc``) on 127.0.0.1.
 
 The same greedy text as one engine; requests spread over both cores by load (each
 core's count under vLLM's ``engine`` label in /metrics); a cancelled stream frees its

@@ -403,11 +403,9 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     if args.model_tag is not None:
         engine_args.model = args.model_tag
-    if engine_args.data_parallel_size > 1 and engine_args.data_parallel_rank is None:   # N cores, one server
-        from microvllm.engine.dp_async_llm import DPAsyncLLM
-        engine = DPAsyncLLM.from_engine_args(engine_args)
-    else:   # the engine core in a process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0
-        engine = AsyncLLM.from_engine_args(engine_args, multiprocess=envs.enable_v1_multiprocessing(default=True))
+    # The engine core in a process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (with
+    # --data-parallel-size N: N cores, each in its own, behind this one front end).
+    engine = AsyncLLM.from_engine_args(engine_args, multiprocess=envs.enable_v1_multiprocessing(default=True))
     served = args.served_model_name or [engine_args.model or EMBEDDED_MODEL_NAME]
     api_key = getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY") or None
     server: uvicorn.Server | None = None
