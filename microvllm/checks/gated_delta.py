@@ -5,19 +5,23 @@
     q, k L2-normalised, q times d_k^-1/2, key head h serving value heads h*group ..
     S <- exp(g_t) S;  S <- S + k (beta (v - S^T k))^T;  o_t = S^T q   ->  (o_t, S)
 
-First small cases worked out by hand (a 2 x 2 or 4 x 2 state, round numbers), each built so
-that one usual mistake changes the answer; then a property test: your step in a loop over
-fresh random inputs, from a random state, must give the outputs and the final state of the
-package's *chunked* form (``chunk_gated_delta_rule``, a different algorithm: a triangular
-solve per chunk), the state carried from one call to the next. A wrong answer is compared
-with what each usual mistake would return (the decay after the write, q or k not
-normalised, q not scaled, the state ignored, beta on v alone, the output read before the
-write, exp(g) forgotten), and the matching one is named with what to change.
+First small cases worked out by hand (a 4 x 2 state, round numbers), each built so that one
+usual mistake changes the answer; then a property test: your step in a loop over fresh random
+inputs, from a random state, must give the outputs and the final state of the package's
+*chunked* form (``chunk_gated_delta_rule``, a different algorithm: a triangular solve per
+chunk), the state carried from one call to the next. A wrong answer is compared with what
+each usual mistake would return (q or k not normalised, q not scaled, plain linear attention
+(no correction), beta on v alone, the decay after the write, the recall from the undecayed
+state, the state ignored, the output read before the write, exp(g) forgotten, key heads
+repeated as [a, b, a, b]), and the matching one is named with what to change. A shape error
+inside your step is explained with the shapes (a d_k axis meeting a d_v axis: v k^T written
+for k v^T).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -37,52 +41,80 @@ ATOL, RTOL = 1e-5, 1e-4
 # ------------------------------------------------------------------- the usual mistakes
 
 
-def _step(q, k, v, g, beta, state, *, gate_after=False, normalize=True, scale=True, from_zeros=False,
-          beta_on_v=False, read_before=False, g_is_factor=False):
+def _step(q, k, v, g, beta, state, *, gate_after=False, normalize_q=True, normalize_k=True, scale=True,
+          from_zeros=False, no_delta=False, beta_on_v=False, recall_undecayed=False, read_before=False,
+          g_is_factor=False, tiled=False):
     """The rule, or one usual mistake in it (the checker's own, to name what a wrong answer did)."""
     from microvllm.layers.linear_attention.gated_delta_rule import l2_normalize
 
     group = v.shape[0] // k.shape[0]
     q, k, v, g, beta = q.float(), k.float(), v.float(), g.float(), beta.float()
-    if normalize:
-        q, k = l2_normalize(q), l2_normalize(k)
+    if normalize_q:
+        q = l2_normalize(q)
+    if normalize_k:
+        k = l2_normalize(k)
     if scale:
         q = q * q.shape[-1] ** -0.5
-    q, k = q.repeat_interleave(group, dim=0), k.repeat_interleave(group, dim=0)
+    if tiled:    # [a, b] -> [a, b, a, b]: value head h reads key head h % H_k (the mistake)
+        q, k = q.repeat(group, 1), k.repeat(group, 1)
+    else:        # [a, b] -> [a, a, b, b]: value head h reads key head h // group
+        q, k = q.repeat_interleave(group, dim=0), k.repeat_interleave(group, dim=0)
     S = torch.zeros_like(state, dtype=torch.float32) if from_zeros else state.float()
+    undecayed = S
     decay = (g if g_is_factor else g.exp())[:, None, None]
     if not gate_after:
         S = S * decay
     before = torch.einsum("hk,hkv->hv", q, S)
-    v_old = torch.einsum("hk,hkv->hv", k, S)
-    correction = beta[:, None] * v - v_old if beta_on_v else beta[:, None] * (v - v_old)
+    v_old = torch.einsum("hk,hkv->hv", k, undecayed if recall_undecayed else S)
+    if no_delta:
+        correction = beta[:, None] * v
+    elif beta_on_v:
+        correction = beta[:, None] * v - v_old
+    else:
+        correction = beta[:, None] * (v - v_old)
     S = S + k[:, :, None] * correction[:, None, :]
     if gate_after:
         S = S * decay
     return (before if read_before else torch.einsum("hk,hkv->hv", q, S)), S
 
 
-MISTAKES = {   # keyword of _step -> (what it is, what to change)
-    "gate_after": ("the decay exp(g_t) is applied after the write, not before it",
-                   "forget first: S = exp(g_t) * S, then compute v_old = S^T k_t from the decayed S and write the "
-                   "correction"),
-    "normalize": ("q_t and k_t are not L2-normalised",
-                  "normalise each head's q and k to length 1 first (l2_normalize, over d_k); the layer hands them "
-                  "over raw"),
-    "scale": ("q_t is not scaled by 1/sqrt(d_k)",
-              "after normalising, multiply q by d_k ** -0.5 (k is not scaled), as attention scales its scores"),
-    "from_zeros": ("the state passed in is ignored: the step starts from zeros",
-                   "start from the state argument (the previous token's state): a request's memory is that state, "
-                   "carried from one call to the next"),
-    "beta_on_v": ("beta_t multiplies v_t only, not the correction v_t - v_old",
-                  "the delta rule writes beta * (v_t - v_old): beta scales the whole correction, so beta = 1 "
-                  "replaces what key k_t recalled, and beta = 0 writes nothing"),
-    "read_before": ("o_t is read from the state before this token's write",
-                    "read with the query after the update: o_t = S^T q_t with the new S (the token sees itself, "
-                    "as attention's causal mask includes the diagonal)"),
-    "g_is_factor": ("g_t is used as the decay factor itself, not as its log",
-                    "g_t <= 0 is a log decay: multiply the state by exp(g_t), a number in (0, 1]"),
-}
+MISTAKES = (   # (keywords of _step that make the mistake, what it is, what to change)
+    ({"normalize_q": False, "normalize_k": False}, "q_t and k_t are not L2-normalised",
+     "normalise each head's q and k to length 1 first (l2_normalize, over d_k); the layer hands them over raw"),
+    ({"normalize_q": False}, "q_t is not L2-normalised (k_t is)",
+     "normalise q as well as k (l2_normalize over d_k), then scale q by d_k ** -0.5: how much a query reads "
+     "must not depend on its length"),
+    ({"normalize_k": False}, "k_t is not L2-normalised (q_t is)",
+     "normalise k as well as q (l2_normalize over d_k, but no scale): the write makes k recall v exactly only when "
+     "k has length 1"),
+    ({"scale": False}, "q_t is not scaled by 1/sqrt(d_k)",
+     "after normalising, multiply q by d_k ** -0.5 (k is not scaled), as attention scales its scores"),
+    ({"no_delta": True}, "the write adds beta_t v_t, not the correction beta_t (v_t - v_old): plain linear "
+     "attention, not the delta rule",
+     "recall first, v_old = S^T k_t (what the decayed state already holds for this key), then write "
+     "k_t (beta_t (v_t - v_old))^T: when S already recalls v_t for k_t, the write adds nothing"),
+    ({"beta_on_v": True}, "beta_t multiplies v_t only, not the correction v_t - v_old",
+     "the delta rule writes beta * (v_t - v_old): beta scales the whole correction, so beta = 1 replaces what key "
+     "k_t recalled, and beta = 0 writes nothing"),
+    ({"gate_after": True}, "the decay exp(g_t) is applied after the write, not before it",
+     "forget first: S = exp(g_t) * S, then compute v_old = S^T k_t from the decayed S and write the correction"),
+    ({"recall_undecayed": True}, "v_old is recalled from the state before the decay (the write corrects what "
+     "the undecayed state recalled)",
+     "decay first, S = exp(g_t) * state, then recall v_old = S^T k_t from that same decayed S: the correction is "
+     "what the forgetful state lacks, so that with beta = 1 key k_t then recalls v_t exactly"),
+    ({"from_zeros": True}, "the state passed in is ignored: the step starts from zeros",
+     "start from the state argument (the previous token's state): a request's memory is that state, carried from "
+     "one call to the next"),
+    ({"read_before": True}, "o_t is read from the state before this token's write",
+     "read with the query after the update: o_t = S^T q_t with the new S (the token sees itself, as attention's "
+     "causal mask includes the diagonal)"),
+    ({"g_is_factor": True}, "g_t is used as the decay factor itself, not as its log",
+     "g_t <= 0 is a log decay: multiply the state by exp(g_t), a number in (0, 1]"),
+    ({"tiled": True}, "the key heads are repeated as [a, b, a, b] (repeat), not [a, a, b, b] (repeat_interleave)",
+     "a key head's value heads are adjacent: key head h serves value heads h*group .. h*group + group - 1, so "
+     "repeat each row in place, x.repeat_interleave(group, dim=0), not x.repeat(group, 1) (which tiles the "
+     "whole block: value head 1 would read key head 1)"),
+)
 
 
 def _close(got, want) -> bool:
@@ -93,9 +125,8 @@ def _diagnose(got_o, got_s, inputs) -> list[tuple[str, str]]:
     """(what was done, hint) of each usual mistake whose answer equals ``got`` (on some inputs
     two give the same answer: with g = 0, exp(g) forgotten also zeroes the state)."""
     found = []
-    for keyword, (what, hint) in MISTAKES.items():
-        flag = keyword not in ("normalize", "scale")
-        o, s = _step(*inputs, **{keyword: flag})
+    for keywords, what, hint in MISTAKES:
+        o, s = _step(*inputs, **keywords)
         if _close(got_o, o) and _close(got_s, s):
             found.append((what, hint))
     return found
@@ -111,10 +142,39 @@ def _describe(q, k, v, g, beta, state) -> str:
             f"state={_fmt(state)} (each head's d_k x d_v matrix flattened)")
 
 
+def _raised(exc: Exception, inputs) -> CheckFailure:
+    """An error raised inside the learner's step (a shape error, mostly), with this input's
+    shapes; when a d_k axis met a d_v axis, the likely cause: v k^T written for k v^T."""
+    from microvllm.checks.report import explain_exception
+
+    q, k, v, g, beta, state = inputs
+    d_k, d_v = k.shape[-1], v.shape[-1]
+    said, *where = explain_exception(exc)
+    sizes = {int(n) for group in re.findall(r"\((\d+)\)|size (\d+)|\[(\d+(?:, \d+)*)\]", str(exc))
+             for part in group if part for n in part.split(", ")}
+    hint = (f"the shapes here: q_t, k_t {list(q.shape)}, v_t {list(v.shape)}, state {list(state.shape)}. Per value "
+            "head S is [d_k, d_v]: the recall S^T k and the read S^T q sum over its d_k axis (dim 1 of "
+            "[H_v, d_k, d_v]), and the write k c^T is [d_k, d_v] like S")
+    if d_k != d_v and {d_k, d_v} <= sizes:
+        hint = (f"a d_k axis ({d_k}) met a d_v axis ({d_v}): S is [H_v, d_k, d_v], so the write is k c^T, "
+                "k_t[:, :, None] * c[:, None, :] ([H_v, d_k, 1] * [H_v, 1, d_v]), not c k^T (v k^T, "
+                "[H_v, d_v, d_k]); the recall S^T k and the read S^T q sum over S's d_k axis (dim 1)")
+    said = said.removeprefix("your code raised ")
+    if where:
+        said += f" (in {where[0].removeprefix('at:').strip()})"
+    return CheckFailure(f"your gated_delta_step raised {type(exc).__name__}", input=_describe(*inputs), got=said,
+                        hint=hint)
+
+
 def _call(fn, inputs):
     q, k, v, g, beta, state = inputs
     given = state.clone()
-    result = fn(*(x.clone() for x in inputs[:5]), given)
+    try:
+        result = fn(*(x.clone() for x in inputs[:5]), given)
+    except NotImplementedError:   # a part not written yet: reported as such
+        raise
+    except (RuntimeError, IndexError, ValueError, TypeError) as exc:
+        raise _raised(exc, inputs) from exc
     if not isinstance(result, tuple) or len(result) != 2:
         raise CheckFailure("gated_delta_step must return a pair (o_t, new_state)", got=type(result).__name__,
                            hint="return o_t, S (the output [H_v, d_v] and the new state [H_v, d_k, d_v])")
@@ -176,18 +236,25 @@ def _t(values) -> torch.Tensor:
 HALF = math.log(0.5)
 
 # (name, inputs (q, k, v, g, beta, state), expected o_t, expected state): worked out by hand.
-# One head unless said; d_k = 4 so that q's scale is 1/2; k's and q's lengths are 2 or 5.
+# One head unless said; d_k = 4 so that q's scale is 1/2; d_v = 2. Each case is built so that
+# the mistakes before it in the list change nothing, and the one it names changes the answer.
 HAND_CASES = (
-    ("an empty state, beta = 1: the state becomes k v^T, and q reads it back",
-     (_t([[2, 0, 0, 0]]), _t([[2, 0, 0, 0]]), _t([[1, 2]]), _t([0]), _t([1]), torch.zeros(1, 4, 2)),
+    ("an empty state, beta = 1: the state becomes k v^T (k = [2, 0, 0, 0] normalised), and q = [3, 0, 0, 0] "
+     "(normalised, times 1/sqrt(d_k) = 1/2) reads half of it back",
+     (_t([[3, 0, 0, 0]]), _t([[2, 0, 0, 0]]), _t([[1, 2]]), _t([0]), _t([1]), torch.zeros(1, 4, 2)),
      _t([[0.5, 1]]), _t([[[1, 2], [0, 0], [0, 0], [0, 0]]])),
-    ("q and k are normalised first (k = [0, 3, 4, 0] has length 5), q scaled by 1/sqrt(d_k) = 1/2",
+    ("q and k are normalised first (k = [0, 3, 4, 0] has length 5, q = [0, 0, 0, 5] too), q scaled by 1/2",
      (_t([[0, 0, 0, 5]]), _t([[0, 3, 4, 0]]), _t([[5, 10]]), _t([0]), _t([1]), _t([[[0, 0], [0, 0], [0, 0], [4, 4]]])),
      _t([[2, 2]]), _t([[[0, 0], [3, 6], [4, 8], [4, 4]]])),
+    ("the delta rule writes the correction: S recalls [2, 1] for k, v = [3, 1], so it writes [1, 0] "
+     "(plain linear attention would add all of v)",
+     (_t([[2, 0, 0, 0]]), _t([[1, 0, 0, 0]]), _t([[3, 1]]), _t([0]), _t([1]), _t([[[2, 1], [0, 0], [0, 0], [0, 0]]])),
+     _t([[1.5, 0.5]]), _t([[[3, 1], [0, 0], [0, 0], [0, 0]]])),
     ("beta scales the whole correction: S recalls 1 for k, v = 3, beta = 1/2 writes half of 3 - 1",
      (_t([[2, 0, 0, 0]]), _t([[1, 0, 0, 0]]), _t([[3, 0]]), _t([0]), _t([0.5]), _t([[[1, 0], [0, 0], [0, 0], [0, 1]]])),
      _t([[1, 0]]), _t([[[2, 0], [0, 0], [0, 0], [0, 1]]])),
-    ("the decay comes first: exp(g) = 1/2 halves the state, then the write corrects what the halved state recalls",
+    ("the decay comes first: exp(g) = 1/2 halves the state, then the write corrects what the halved state recalls "
+     "(2 / 2 = 1, not 2)",
      (_t([[0, 0, 0, 1]]), _t([[1, 0, 0, 0]]), _t([[4, 0]]), _t([HALF]), _t([1]),
       _t([[[2, 0], [0, 0], [0, 0], [0, 2]]])),
      _t([[0, 0.5]]), _t([[[4, 0], [0, 0], [0, 0], [0, 1]]])),
@@ -199,6 +266,13 @@ HAND_CASES = (
      (_t([[1, 0, 0, 0]]), _t([[1, 0, 0, 0]]), _t([[2, 0], [0, 4]]), _t([0, HALF]), _t([1, 0.5]),
       _t([[[0, 0], [0, 0], [0, 0], [0, 0]], [[0, 4], [0, 0], [0, 0], [0, 0]]])),
      _t([[1, 0], [0, 1.5]]), _t([[[2, 0], [0, 0], [0, 0], [0, 0]], [[0, 3], [0, 0], [0, 0], [0, 0]]])),
+    ("two key heads for four value heads (group = 2): value heads 0, 1 read key head 0, and value heads 2, 3 "
+     "key head 1",
+     (_t([[2, 0, 0, 0], [0, 2, 0, 0]]), _t([[1, 0, 0, 0], [0, 1, 0, 0]]), _t([[2, 0], [4, 0], [0, 2], [0, 4]]),
+      _t([0, 0, 0, 0]), _t([1, 1, 1, 1]), torch.zeros(4, 4, 2)),
+     _t([[1, 0], [2, 0], [0, 1], [0, 2]]),
+     _t([[[2, 0], [0, 0], [0, 0], [0, 0]], [[4, 0], [0, 0], [0, 0], [0, 0]],
+         [[0, 0], [0, 2], [0, 0], [0, 0]], [[0, 0], [0, 4], [0, 0], [0, 0]]])),
 )
 
 
@@ -370,13 +444,13 @@ def run_gated_deltanet_with(gated_delta_step, *, max_tokens: int = 8, quiet: boo
     lines.append(f"  largest difference of a generated token's log-probability from the package's run: {worst:.2g}")
     same = reference == got and close and bool(calls)
     if not calls:
-        lines.append("The engine never called your gated_delta_step.")
+        lines.append("✗ The engine never called your gated_delta_step.")
     elif same:
-        lines.append("Same tokens and log-probabilities as the package's gated_delta_step (whose tokens equal "
-                     "Hugging Face's generate).")
+        lines.append("✓ Same greedy tokens and log-probabilities as the package's gated_delta_step (whose tokens "
+                     "equal Hugging Face's generate): your step runs the real engine's decode.")
     else:
-        lines.append(("Your tokens differ" if reference != got else
-                      "The same tokens, but the log-probabilities differ: a smaller error, that a larger model would "
-                      "turn into other tokens") + ": run check_gated_delta_step above, which names the usual "
+        lines.append(("✗ Your tokens differ" if reference != got else
+                      "✗ The same tokens, but the log-probabilities differ: a smaller error, that a larger model "
+                      "would turn into other tokens") + ": run check_gated_delta_step above, which names the usual "
                      "mistake yours makes.")
     return report(same, reference, got, "\n".join(lines))

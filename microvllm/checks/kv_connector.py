@@ -44,6 +44,9 @@ HINT_SENDING = ("free only the requests listed in finished_sending: the others a
                 "can be handed to another request (and overwritten) while the worker still reads it")
 HINT_TWICE = ("take each freed entry out of kv_sending (kv_sending.pop(request_id, None)): a second report of the same "
               "request must free nothing, or its blocks are freed twice (their reference counts go below zero)")
+HINT_UNKNOWN = ("a reported request that kv_sending does not hold (never delayed, or freed already) frees nothing: "
+                "append only what kv_sending.pop(request_id, None) found, never its None (the scheduler would free "
+                "None as if it were a block list)")
 HINT_ORDER = "return the block lists in the order of sorted(finished_sending), the package's order"
 
 
@@ -123,7 +126,9 @@ def compare_release(fn, kv_sending: dict, finished, where: str) -> list:
         kv_sending.update(mine_dict)
         return got_list
     reported = set(finished or ())
-    if got_list is not None and any(b not in [before[r] for r in reported if r in before] for b in got_list):
+    if got_list is not None and any(b is None for b in got_list):
+        hint = HINT_UNKNOWN
+    elif got_list is not None and any(b not in [before[r] for r in reported if r in before] for b in got_list):
         hint = HINT_SENDING
     elif mine_dict != want_dict:
         hint = HINT_TWICE
@@ -261,15 +266,23 @@ def check_kv_connector(plan_kv_load, release_finished_sends, *, num_seeds: int =
         compare_plan(plan_kv_load, h, 18, 0, {h[0], h[2], h[3]}, "the store lost h1: h0 only")
         compare_plan(plan_kv_load, h, 18, 4, {h[0], h[2], h[3]}, "local hit h0, the store lost h1: nothing")
 
-    def the_delayed_free():
+    def only_reported_sends():
         compare_release(release_finished_sends, {"a": (3, 4), "b": (5,)}, ["a"],
                         "a finished its send; b is still being sent")
+        compare_release(release_finished_sends, {"a": (2,)}, None, "no report this step")
+
+    def never_delayed_frees_nothing():
+        compare_release(release_finished_sends, {"a": (2,)}, ["z"],
+                        "z reported, a request kv_sending never held: nothing to free")
+
+    def each_send_once():
         sending = {"a": (3, 4)}
         compare_release(release_finished_sends, sending, ["a"], "a reported")
         compare_release(release_finished_sends, sending, ["a"], "a reported a second time: nothing more to free")
+
+    def in_request_id_order():
         compare_release(release_finished_sends, {"b": (1,), "a": (2,)}, ["b", "a", "z"],
                         "two reported (and z, never delayed): both freed, in request-id order")
-        compare_release(release_finished_sends, {"a": (2,)}, None, "no report this step")
 
     def random_arrivals():
         for seed in range(num_seeds):
@@ -281,7 +294,10 @@ def check_kv_connector(plan_kv_load, release_finished_sends, *, num_seeds: int =
         Case("never a block the local prefix cache holds", not_what_is_local),
         Case("never the block of the last token", never_the_last_token),
         Case("the first block the store lacks ends the load", a_miss_ends_the_run),
-        Case("the delayed free: only reported sends, each once", the_delayed_free),
+        Case("the delayed free: only the reported sends", only_reported_sends),
+        Case("a reported request kv_sending does not hold frees nothing", never_delayed_frees_nothing),
+        Case("each send freed once: a second report frees nothing", each_send_once),
+        Case("several reported: freed in request-id order", in_request_id_order),
         Case(f"property: {num_seeds} random arrival patterns through a small scheduler (no local block loaded, "
              "nothing scheduled before its load, no block freed while sent or twice)", random_arrivals),
     ]
@@ -290,17 +306,73 @@ def check_kv_connector(plan_kv_load, release_finished_sends, *, num_seeds: int =
 
 # --------------------------------------------------------------------- the engine
 
-PREFIX_LEN, NUM_PREFIXES, NUM_PROMPTS = 48, 4, 12
+PREFIX_LEN, NUM_PROMPTS = 48, 12
+PREFIX_ORDER = (0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1)   # prefix 4 comes once, and pushes part of the tier out
 SUFFIX_LENS = (5, 8, 0)   # 0 and 8 end on a block boundary: the last token's block is a full one
+NUM_CPU_BLOCKS = 33       # the tier's slots, fewer than the 30 prefix blocks + the prompts' own: it evicts (LRU)
+NEVER_DELAYED = "never-delayed"   # a request id the scheduler never saw, added to every report of finished sends
+
+
+def kv_tier_prompts() -> list[dict]:
+    """The engine cell's workload: prefixes of 48 tokens in ``PREFIX_ORDER`` (four that come
+    back, one that comes once), each + 5, 8 or 0 tokens of its own (8 and 0 end on a block
+    boundary), and last the previous prompt again (every block but its last token's is in the
+    pool: nothing to load). Between a prefix's visits the pool loses it, and the tier, which
+    evicts its least recently used blocks, may keep only part of it: a gap in the tier."""
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(3, 200) for _ in range(PREFIX_LEN)] for _ in range(max(PREFIX_ORDER) + 1)]
+    prompts = [{"prompt_token_ids": prefixes[prefix] + [rng.randrange(3, 200) for _ in range(SUFFIX_LENS[i % 3])]}
+               for i, prefix in enumerate(PREFIX_ORDER)]
+    return prompts + [prompts[-1]]
+
+
+def _watched(plan_kv_load, release_finished_sends, seen: dict):
+    """The two functions as the engine calls them, with what the calls were (``seen``):
+    plans past a gap in the tier, plans with every block local, reports of finished sends;
+    and two answers the engine cannot tell from the right one, or only by crashing: a wait
+    with nothing to load, a None in the freed lists. Each report gets ``NEVER_DELAYED``
+    added (in the package's run too: the same workload)."""
+    def plan(block_hashes, num_tokens, num_local_tokens, block_size, remote_has):
+        seen["plan_kv_load"] += 1
+        first = num_local_tokens // block_size
+        wanted = block_hashes[first:(num_tokens - 1) // block_size]
+        held = [block_hash in remote_has for block_hash in wanted]
+        if False in held and True in held[held.index(False):]:
+            seen["gaps"] += 1        # the tier lacks a block and holds a later one
+        if not wanted:
+            seen["all_local"] += 1   # every block but the last token's is local already
+        answer = plan_kv_load(block_hashes, num_tokens, num_local_tokens, block_size, remote_has)
+        indices = tuple(getattr(answer, "block_indices", ()))
+        if indices != tuple(range(first, first + len(indices))):
+            seen["not_in_a_row"] += 1
+        if not getattr(answer, "num_external_tokens", 1) and getattr(answer, "load_async", False):
+            seen["waits_for_nothing"] += 1
+        return answer
+
+    def release(kv_sending, finished_sending):
+        seen["release_finished_sends"] += 1
+        if finished_sending is not None:
+            seen["reports"] += 1
+            finished_sending = {*finished_sending, NEVER_DELAYED}
+        freed = release_finished_sends(kv_sending, finished_sending)
+        freed = list(freed) if freed is not None else None   # a generator is read once: here, for the engine
+        if any(blocks is None for blocks in freed or ()):
+            seen["freed_none"] += 1
+        return freed
+
+    return plan, release
 
 
 def run_kv_tier_with(plan_kv_load, release_finished_sends, *, quiet: bool = False):
     """Run the engine on a tiny random Llama (written to a temporary folder) with the
-    in-process ``OffloadingConnector`` (a second KV tier) and a pool too small for the four
-    shared 48-token prefixes, prompts one after another: once with the package's
-    scheduler side, once with yours in its place in ``microvllm.core.scheduler_kv_connector``
-    (put back afterwards, even on an error). Compares the greedy tokens and the prefix hits,
-    counts the calls to yours. Returns an ``EngineRunResult``."""
+    in-process ``OffloadingConnector`` (a second KV tier), a pool too small for the shared
+    48-token prefixes and a tier that evicts too (``kv_tier_prompts``), prompts one after
+    another: once with the package's scheduler side, once with yours in its place in
+    ``microvllm.core.scheduler_kv_connector`` (put back afterwards, even on an error). Every
+    report of finished sends also names ``NEVER_DELAYED``, a request the scheduler never
+    delayed. Compares the greedy tokens, the prefix hits and the blocks the tier loaded,
+    counts the calls to yours, and says where your plan asked a request to wait with nothing
+    to load (``load_async=True``), which this engine ignores. Returns an ``EngineRunResult``."""
     import tempfile
 
     import microvllm.core.scheduler_kv_connector as module
@@ -322,69 +394,84 @@ def run_kv_tier_with(plan_kv_load, release_finished_sends, *, quiet: bool = Fals
         return report(False, [], [], f"run_kv_tier_with: not implemented yet ({todo})" if todo is not None else
                       f"your scheduler side fails the docstring's example: {exc} (run check_kv_connector above)")
 
-    calls = {"plan_kv_load": 0, "release_finished_sends": 0}
-
-    def plan(*args):
-        calls["plan_kv_load"] += 1
-        return plan_kv_load(*args)
-
-    def release(*args):
-        calls["release_finished_sends"] += 1
-        return release_finished_sends(*args)
-
-    rng = random.Random(0)
-    prefixes = [[rng.randrange(3, 200) for _ in range(PREFIX_LEN)] for _ in range(NUM_PREFIXES)]
-    prompts = [{"prompt_token_ids": prefixes[i % NUM_PREFIXES]
-                + [rng.randrange(3, 200) for _ in range(SUFFIX_LENS[i % len(SUFFIX_LENS)])]}
-               for i in range(NUM_PROMPTS)]
+    prompts = kv_tier_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"num_cpu_blocks": NUM_CPU_BLOCKS}}
+    package = (module.plan_kv_load, module.release_finished_sends)
 
-    def generate(folder):
-        with _quiet():
-            llm = LLM(folder, block_size=8, num_kv_blocks=20, max_num_seqs=2, kv_transfer_config=tier,
-                      debug_invariants=True)
+    def generate(folder, functions, seen):
+        module.plan_kv_load, module.release_finished_sends = _watched(*functions, seen)
         # A connector call that raises fails its request (fault isolation), quietly here:
         # the first such error is re-raised, so that the report names the learner's bug.
         isolation_log = logging.getLogger("microvllm.core.scheduler_kv_connector")
         level, isolation_log.level = isolation_log.level, logging.CRITICAL
         try:
+            with _quiet():
+                llm = LLM(folder, block_size=8, num_kv_blocks=20, max_num_seqs=2, kv_transfer_config=tier,
+                          debug_invariants=True)
             outs = [out for p in prompts for out in llm.generate([p], params, use_tqdm=False)]
         finally:
             isolation_log.setLevel(level)
+            module.plan_kv_load, module.release_finished_sends = package
         errors = [out.error for out in outs if out.error is not None]
         if errors:
             raise RuntimeError(errors[0])
-        tokens = [list(out.outputs[0].token_ids) for out in outs]
         engine = llm.llm_engine
-        return tokens, engine.prefix_cache_hits, engine.scheduler.connector.num_blocks_loaded
+        return ([list(out.outputs[0].token_ids) for out in outs], engine.prefix_cache_hits,
+                engine.scheduler.connector.num_blocks_loaded)
 
-    package = (module.plan_kv_load, module.release_finished_sends)
+    def counters():
+        return dict.fromkeys(("plan_kv_load", "release_finished_sends", "gaps", "all_local", "reports",
+                              "not_in_a_row", "waits_for_nothing", "freed_none"), 0)
+
+    workload, seen = counters(), counters()
     with tempfile.TemporaryDirectory(prefix="microvllm-kv-tier-") as folder:
         with _quiet():
             make_tiny_model(folder, "llama", seed=19)
-        reference, ref_hits, ref_loaded = generate(folder)
-        module.plan_kv_load, module.release_finished_sends = plan, release
+        reference, ref_hits, ref_loaded = generate(folder, package, workload)
         try:
-            got, hits, loaded = generate(folder)
+            got, hits, loaded = generate(folder, (plan_kv_load, release_finished_sends), seen)
         except Exception as exc:  # noqa: BLE001 - a learner's bug becomes a report
             return report(False, reference, [], f"The engine stopped inside your scheduler side: "
-                                                f"{type(exc).__name__}: {exc}")
-        finally:
-            module.plan_kv_load, module.release_finished_sends = package
-    lines = [f"A tiny random Llama, a pool of 19 blocks of 8 tokens, the OffloadingConnector tier; {NUM_PROMPTS} "
-             f"prompts one after another, {NUM_PREFIXES} shared prefixes of {PREFIX_LEN} tokens (more than the pool "
-             f"holds) + 0, 5 or 8 tokens ({calls['plan_kv_load']} calls to your plan_kv_load, "
-             f"{calls['release_finished_sends']} to your release_finished_sends)",
+                                                f"{type(exc).__name__}: {exc}{_why_stopped(seen)} (run "
+                                                "check_kv_connector above, which names the first rule yours breaks)")
+    lines = [f"A tiny random Llama, a pool of 19 blocks of 8 tokens, the OffloadingConnector tier of {NUM_CPU_BLOCKS} "
+             f"blocks; {NUM_PROMPTS} prompts one after another: {PREFIX_LEN}-token prefixes (four that come back after "
+             "the pool lost them, one that comes once) + 0, 5 or 8 tokens, the last prompt twice "
+             f"({seen['plan_kv_load']} calls to your plan_kv_load, {seen['release_finished_sends']} to your "
+             "release_finished_sends)",
+             f"  the calls: {workload['gaps']} plans past a gap in the tier (a block missing, a later one held), "
+             f"{workload['all_local']} with every block local (nothing to load), {workload['reports']} reports of "
+             f"finished sends, each also naming {NEVER_DELAYED!r}, a request the scheduler never delayed",
              f"  prefix-cache hit tokens: yours {hits}, the package's {ref_hits}; tier blocks loaded: yours {loaded}, "
              f"the package's {ref_loaded}",
              f"  greedy tokens: {'✓ identical' if got == reference else '✗ different'}"]
-    same = got == reference and hits == ref_hits and loaded == ref_loaded and all(calls.values())
-    if not all(calls.values()):
-        lines.append("The engine never called one of your functions.")
+    same = got == reference and hits == ref_hits and loaded == ref_loaded
+    called = seen["plan_kv_load"] > 0 and seen["release_finished_sends"] > 0
+    if not called:
+        lines.append("✗ The engine never called one of your functions.")
+    elif seen["waits_for_nothing"]:
+        lines.append(f"✗ {seen['waits_for_nothing']} of your plans offered nothing and said load_async=True. This "
+                     "engine starts a load only when tokens are offered, so its tokens cannot show it; a scheduler "
+                     "that honours load_async would park the request in WAITING_FOR_REMOTE_KVS, waiting for a load "
+                     "that never comes. Nothing to load is KVLoadPlan(0, (), False).")
     elif same:
-        lines.append("Same tokens, hits and loads as the package's scheduler side.")
+        lines.append("✓ Same greedy tokens, prefix-cache hits and tier loads as the package's scheduler side. (The "
+                     "order of the block lists release_finished_sends returns makes no difference to the engine: "
+                     "check_kv_connector checks it.)")
     else:
-        lines.append("Yours differs from the package's: run check_kv_connector above, which names the first rule "
+        lines.append("✗ Yours differs from the package's: run check_kv_connector above, which names the first rule "
                      "yours breaks.")
-    return report(same, reference, got, "\n".join(lines))
+    return report(same and called and not seen["waits_for_nothing"], reference, got, "\n".join(lines))
+
+
+def _why_stopped(seen: dict) -> str:
+    """What yours answered that stops the engine, where the engine's own error does not say it."""
+    if seen["freed_none"]:
+        return (f". Your release_finished_sends returned None among the freed block lists (for {NEVER_DELAYED!r}, "
+                "a reported request kv_sending does not hold), and the scheduler freed it as blocks")
+    if seen["not_in_a_row"]:
+        return (". Your plan skipped a block and offered later ones: the connector loads the blocks in a row from the "
+                "local hit, so it looked for the skipped block in the tier, which lacks it")
+    return ""

@@ -11,11 +11,18 @@ The answer is fixed by the contract (stable order, padding at the end of each ru
 case compares yours with the package's; before that, ``_first_problem`` walks the contract
 in the order a reader would (every pair once, the offsets, each run, the padding, the
 blocks) and reports the first rule yours breaks, with the usual cause when it is one of the
-common ones (a run that is not padded and spills into the next expert's block, offsets one
-entry off, an unstable sort, pairs lost after an expert with no pairs).
+common ones (token ids stored instead of pair ids, padding written as 0 or -1 instead of
+T*k, counts rounded down, a run that is not padded and spills into the next expert's
+block, offsets one entry off, an unstable sort, pairs lost after an expert with no pairs,
+blocks numbered instead of named by their expert). A function that raises is run again on
+simpler inputs to find what makes it raise (the last experts getting no pair: a
+``torch.bincount`` without ``minlength``; a count that is not a multiple of
+``block_size``: a count rounded down).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -23,6 +30,7 @@ from microvllm.checks.report import (
     Case,
     CheckFailure,
     CheckResult,
+    _innermost_user_frame,
     not_implemented_message,
     property_settings,
     run_checks,
@@ -96,6 +104,27 @@ def _first_problem(got, topk_ids: torch.Tensor, block_size: int, num_experts: in
     # 1. Every kept pair exactly once; nothing else but padding.
     kept = {p for p in range(num_pairs) if flat[p] >= 0}
     real = [p for p in sorted_ids if p != pad]
+    if top_k > 1 and kept and Counter(real) != Counter(kept) and \
+            Counter(real) == Counter(p // top_k for p in kept):
+        return CheckFailure("sorted_token_ids holds token ids (pair // k), not pair ids",
+                            expected=_want_sorted(runs, padded, pad), got=sorted_ids,
+                            hint=f"store the pair index i (0 .. T*k-1 = {num_pairs - 1}), not its token i // k: "
+                                 "the kernels need the pair to find its routing weight (topk_weights.flatten()[i]) "
+                                 "and its own output row; the token is recovered later as i // k. Sort the pair "
+                                 "indices (the positions in topk_ids.flatten()), not the token indices")
+    num_padding = want_offsets[-1] - len(kept)
+    if num_padding > 0 and pad not in sorted_ids and len(sorted_ids) == want_offsets[-1]:
+        value, count = Counter(sorted_ids).most_common(1)[0]
+        if count == num_padding + (value in kept):   # every padding row holds the same wrong value
+            reads_as = (f"pair {value} (token {value // top_k}, which would be computed again for every padding "
+                        "row and added to its output)" if 0 <= value < num_pairs else "no pair, but is not T*k")
+            return CheckFailure(f"sorted_token_ids has no padding value T*k = {pad}: its {num_padding} padding "
+                                f"rows hold {value}, which reads as {reads_as}",
+                                expected=_want_sorted(runs, padded, pad), got=sorted_ids,
+                                hint=f"start from a tensor filled with T*k = {pad} (torch.full((total,), T*k, "
+                                     "dtype=torch.long)), not torch.zeros or torch.empty, then place the pairs: "
+                                     "the padding is one past the last pair, so `pair < T*k` tells a real row "
+                                     "from padding")
     left_out = sorted(p for p in set(real) if 0 <= p < num_pairs and flat[p] < 0)
     if left_out:
         return CheckFailure(f"sorted_token_ids holds pair {left_out[0]}, whose expert id is -1",
@@ -141,6 +170,9 @@ def _first_problem(got, topk_ids: torch.Tensor, block_size: int, num_experts: in
         elif block_size > 1 and offsets == [sum(len(r) for r in runs[:e]) for e in range(num_experts + 1)]:
             hint = ("your offsets count the pairs, not the padded rows: each run is its expert's pair count "
                     f"rounded up to a multiple of block_size = {block_size}")
+        elif block_size > 1 and offsets == _cumulative([len(r) // block_size * block_size for r in runs]):
+            hint = ("your counts are rounded down (n // b * b), not up: an expert with 3 pairs and block_size 4 "
+                    "gets 0 rows. Round up: (n + b - 1) // b * b")
         else:
             hint = HINT_OFFSETS
         expert = next(e for e in range(num_experts + 1) if offsets[e] != want_offsets[e])
@@ -180,9 +212,67 @@ def _first_problem(got, topk_ids: torch.Tensor, block_size: int, num_experts: in
                 "that block is part of (an expert with no pairs has no block)")
         if len(expert_ids) == len(sorted_ids) and block_size > 1:
             hint = f"expert_ids has one entry per block of {block_size} rows, not one per row: " + hint
+        elif len(expert_ids) == len(want_blocks):
+            used = [e for e in range(num_experts) if runs[e]]
+            numbered = [used.index(e) for e in want_blocks]
+            if expert_ids == numbered:
+                hint = (f"your expert_ids number the experts that got pairs (0, 1, 2, ...); each block must hold "
+                        f"its expert's own id: here experts {[e for e in range(num_experts) if not runs[e]]} get "
+                        "no pair, so the ids after them are not their positions. The kernel loads the weights "
+                        "w13[expert_ids[b]] for block b")
         return CheckFailure(f"expert_ids must name the expert of each of the {len(want_blocks)} blocks",
                             expected=want_blocks, got=expert_ids, hint=hint)
     return None
+
+
+def _cumulative(rows: list[int]) -> list[int]:
+    offsets = [0]
+    for r in rows:
+        offsets.append(offsets[-1] + r)
+    return offsets
+
+
+def _want_sorted(runs: list[list[int]], padded: list[int], pad: int) -> list[int]:
+    return [p for run, rows in zip(runs, padded) for p in run + [pad] * (rows - len(run))]
+
+
+def _runs_on(fn, topk_ids: torch.Tensor, block_size: int, num_experts: int) -> bool:
+    """Whether ``fn`` returns (right or wrong) without raising on this input."""
+    try:
+        fn(topk_ids.clone(), block_size, num_experts)
+    except Exception:  # noqa: BLE001 - only whether it raises matters here
+        return False
+    return True
+
+
+def _crash(fn, exc: Exception, topk_ids: torch.Tensor, block_size: int, num_experts: int) -> CheckFailure:
+    """``fn`` raised ``exc`` on this input: run it on simpler inputs to find what makes it raise."""
+    flat = topk_ids.flatten().tolist()
+    kept = [e for e in flat if e >= 0]
+    used = max(kept) + 1 if kept else 0
+    counts = [kept.count(e) for e in range(num_experts)]
+    where = _innermost_user_frame(exc)
+    got = f"{type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+    what = "your function raised an exception"
+    hint = "run it on this input in a new cell to see which line fails, and print the shapes there"
+    if 0 < used < num_experts and _runs_on(fn, topk_ids, block_size, used):
+        last = (f"the last expert ({used}) gets" if used == num_experts - 1 else
+                f"the last experts ({used}..{num_experts - 1}) get")
+        what = f"your function raises when {last} no pair, and runs when num_experts = {used}"
+        hint = ("a count per expert with fewer than num_experts entries? torch.bincount(ids) returns max(ids) + 1 "
+                "counts, one per value up to the largest it sees: pass minlength=num_experts so that the experts "
+                "after the last one used get their 0")
+    elif block_size > 1 and any(c % block_size for c in counts) and \
+            _runs_on(fn, topk_ids.repeat(block_size, 1), block_size, num_experts):
+        what = (f"your function raises when an expert's count is not a multiple of block_size = {block_size} "
+                f"(pairs per expert here: {counts}), and runs when every count is one")
+        hint = ("are the counts rounded down (n // b * b)? Then an expert with 3 pairs and block_size 4 gets 0 "
+                "rows and its pairs have nowhere to go. Round up: (n + b - 1) // b * b")
+    elif block_size > 1 and _runs_on(fn, topk_ids, 1, num_experts):
+        what = f"your function raises with block_size = {block_size}, and runs with block_size = 1 (no padding)"
+        hint = ("look at the padding: each expert's count rounded up to a multiple of block_size, "
+                "(n + b - 1) // b * b, and a sorted_token_ids of expert_offsets[-1] rows")
+    return CheckFailure(what, got=got, hint=hint)
 
 
 def _describe(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> str:
@@ -191,8 +281,14 @@ def _describe(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> str:
 
 def compare(fn, topk_ids: torch.Tensor, block_size: int, num_experts: int, where: str) -> None:
     """Call ``fn`` on a copy of ``topk_ids``; raise a ``CheckFailure`` naming the first rule it breaks."""
-    got = fn(topk_ids.clone(), block_size, num_experts)
-    problem = _first_problem(got, topk_ids, block_size, num_experts)
+    try:
+        got = fn(topk_ids.clone(), block_size, num_experts)
+    except Exception as exc:  # noqa: BLE001 - a crash becomes a named cause
+        if not_implemented_message(exc) is not None:
+            raise
+        got, problem = None, _crash(fn, exc, topk_ids, block_size, num_experts)
+    else:
+        problem = _first_problem(got, topk_ids, block_size, num_experts)
     if problem is None:   # the contract fixes the answer: this only guards the checker itself
         want = _reference(topk_ids, block_size, num_experts)
         if all(torch.equal(torch.as_tensor(g).cpu(), torch.as_tensor(w)) for g, w in zip(got, want)):
@@ -287,10 +383,39 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Rain forms when", "
 ENGINE_BLOCK_SIZE = 4   # rows per block in the engine run: > 1, so that every run is padded
 
 
+def experts_by_block(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, block_size: int = ENGINE_BLOCK_SIZE) -> torch.Tensor:
+    """The experts run the way the Triton kernel (step c) runs them, in plain torch: block by
+    block, each block's rows ``sorted_token_ids[b * block_size : (b + 1) * block_size]`` run
+    by the expert ``expert_ids[b]`` names, up to ``num_tokens_post_padded`` rows. Unlike
+    ``fused_moe_sorted`` (which finds each expert's rows from ``expert_offsets``), a wrong
+    ``expert_ids`` here runs a block with the wrong expert's weights, as it would on a GPU."""
+    import microvllm.layers.fused_moe.moe_sorted as moe_sorted
+    from microvllm.layers.fused_moe.moe_torch_iterative import expert_mlp
+
+    num_pairs, top_k = topk_ids.numel(), topk_ids.shape[-1]
+    # Looked up at each call, so that the engine cell's swap reaches it.
+    routing = moe_sorted.moe_align_block_size(topk_ids, block_size, w13.shape[0])
+    num_rows = int(routing.num_tokens_post_padded)
+    weights = topk_weights.flatten()
+    out = torch.zeros_like(hidden)
+    for block, expert in enumerate(routing.expert_ids.tolist()):
+        if block * block_size >= num_rows:
+            break
+        pairs = routing.sorted_token_ids[block * block_size:(block + 1) * block_size]
+        pairs = pairs[pairs < num_pairs]                  # padding rows are skipped
+        if pairs.numel():
+            tokens = pairs // top_k
+            y = expert_mlp(hidden[tokens], w13[expert], w2[expert])
+            out.index_add_(0, tokens, y * weights[pairs, None].to(y.dtype))
+    return out
+
+
 def run_moe_with(moe_align_block_size, *, max_tokens: int = 8, block_size: int = ENGINE_BLOCK_SIZE,
                  quiet: bool = False):
     """Run a tiny random Qwen3-MoE (8 experts, top-2; written to a temporary folder) with
-    ``enforce_eager=True`` and the "sorted" experts (``MICROVLLM_MOE_IMPL=sorted``), greedy,
+    ``enforce_eager=True``, greedy, its experts run block by block as the Triton kernel runs
+    them (``experts_by_block``: every field of your result is read, ``expert_ids`` included),
     twice: with the package's ``moe_align_block_size`` and with yours in its place (both at
     ``block_size`` rows per block); compare the tokens. Returns an ``EngineRunResult``."""
     import functools
@@ -320,10 +445,14 @@ def run_moe_with(moe_align_block_size, *, max_tokens: int = 8, block_size: int =
         return report(False, [], [], f"your moe_align_block_size is wrong on the docstring's example: "
                                      f"{problem.what} (run check_moe_align above)")
 
-    calls = []
+    calls, with_empty_expert = [], []
 
     def yours(topk_ids, block, num_experts):
         calls.append(1)
+        kept = topk_ids.flatten()
+        counts = torch.bincount(kept[kept >= 0], minlength=num_experts)
+        if bool((counts == 0).any()):
+            with_empty_expert.append(1)
         return moe_align_block_size(topk_ids, block, num_experts)
 
     package_align = moe_sorted.moe_align_block_size
@@ -331,8 +460,8 @@ def run_moe_with(moe_align_block_size, *, max_tokens: int = 8, block_size: int =
     saved_impl = os.environ.get("MICROVLLM_MOE_IMPL")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     os.environ["MICROVLLM_MOE_IMPL"] = "sorted"
-    # The layer calls fused_moe_sorted without a block size (1: nothing padded); give it one.
-    moe_layer.EXPERT_FUNCTIONS["sorted"] = functools.partial(moe_sorted.fused_moe_sorted, block_size=block_size)
+    # The "sorted" experts, run block by block at block_size rows (as the kernel runs them).
+    moe_layer.EXPERT_FUNCTIONS["sorted"] = functools.partial(experts_by_block, block_size=block_size)
     try:
         with tempfile.TemporaryDirectory(prefix="microvllm-moe-") as folder:
             make_tiny_model(folder, "qwen3_moe", seed=17)
@@ -342,8 +471,9 @@ def run_moe_with(moe_align_block_size, *, max_tokens: int = 8, block_size: int =
             try:
                 got = [list(o.outputs[0].token_ids) for o in llm.generate(list(PROMPTS), params, use_tqdm=False)]
             except Exception as exc:  # noqa: BLE001 - a learner's bug becomes a report
-                return report(False, reference, [], f"The engine stopped inside your moe_align_block_size: "
-                                                    f"{type(exc).__name__}: {exc}")
+                return report(False, reference, [], f"✗ The engine stopped on your moe_align_block_size's "
+                                                    f"layout: {type(exc).__name__}: {exc} (run check_moe_align "
+                                                    "above, which names the first rule yours breaks)")
     finally:
         moe_sorted.moe_align_block_size = package_align
         moe_layer.EXPERT_FUNCTIONS["sorted"] = package_sorted
@@ -351,9 +481,10 @@ def run_moe_with(moe_align_block_size, *, max_tokens: int = 8, block_size: int =
             os.environ.pop("MICROVLLM_MOE_IMPL", None)
         else:
             os.environ["MICROVLLM_MOE_IMPL"] = saved_impl
-    lines = [f"A tiny random Qwen3-MoE (8 experts, top-2), enforce_eager=True, sorted experts at block_size="
-             f"{block_size}, with your moe_align_block_size ({len(calls)} calls): {len(PROMPTS)} prompts x "
-             f"{max_tokens} greedy tokens"]
+    lines = [f"A tiny random Qwen3-MoE (8 experts, top-2), enforce_eager=True, the experts run block by block "
+             f"(block_size={block_size}, each block by the expert its expert_ids entry names) on your "
+             f"moe_align_block_size's layout ({len(calls)} calls, {len(with_empty_expert)} of them with an expert "
+             f"that got no pair): {len(PROMPTS)} prompts x {max_tokens} greedy tokens"]
     for prompt, ref, tokens in zip(PROMPTS, reference, got):
         lines.append(f"  {prompt!r}: {'✓' if ref == tokens else '✗'} {tokens}")
         if ref != tokens:
@@ -362,6 +493,8 @@ def run_moe_with(moe_align_block_size, *, max_tokens: int = 8, block_size: int =
     if not calls:
         lines.append("The engine never called your function: is MICROVLLM_MOE_IMPL set to something else?")
     else:
-        lines.append("Same tokens as the package's moe_align_block_size." if same else
-                     "Your tokens differ: run check_moe_align above, which names the first rule yours breaks.")
+        lines.append(f"✓ Same greedy tokens as with the package's moe_align_block_size for all {len(PROMPTS)} "
+                     "prompts, every block run by the expert your expert_ids names: your layout runs the real "
+                     "engine." if same else
+                     "✗ Your tokens differ: run check_moe_align above, which names the first rule yours breaks.")
     return report(same, reference, got, "\n".join(lines))

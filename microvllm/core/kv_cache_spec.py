@@ -115,7 +115,7 @@ class MambaSpec(KVCacheSpec):
 
     So a request holds one page, two when its next token starts a block: a sliding window
     of 2 (the state after c tokens sits with position c-1). Older pages are released but
-    keep their hash (``prefix_caching``, vLLM's ``mamba_cache_mode="all"``): free yet
+    keep their hash (``prefix_caching``, vLLM's former ``mamba_cache_mode="all"``): free yet
     cached, like any evictable block, a later request sharing those tokens resumes from
     the snapshot. Without them (``"none"``) a hybrid's prefix hit is always 0: the state
     of a prefix exists nowhere, and every group must be able to resume for a hit.

@@ -83,8 +83,8 @@ def plan_kv_load(block_hashes: Sequence, num_tokens: int, num_local_tokens: int,
 def release_finished_sends(kv_sending: dict[str, T], finished_sending: Iterable[str] | None) -> list[T]:
     """The delayed free (exercise 19): the block lists to free now that the worker reports
     ``finished_sending``, in request-id order, each taken out of ``kv_sending`` so that it is
-    freed once. A request reported again, or never delayed, frees nothing; a request still
-    being sent (not reported) keeps its blocks. O(reported)."""
+    freed once. A request reported again, or never delayed, frees nothing (adds nothing to
+    the list); a request still being sent (not reported) keeps its blocks. O(reported)."""
     ### BEGIN SOLUTION
     freed = []
     for request_id in sorted(finished_sending or ()):

@@ -217,6 +217,8 @@ prefix_aware_module = importlib.import_module("microvllm.router.prefix_aware")
 
 _BEST = "best = min(replicas, key=lambda r: (-matched[r.index], r.load, r.kv_cache_usage, r.index))"
 _MISS = "            if block_hash not in replica.cached_block_hashes:\n                break"
+_ABS = "best.load - least.load > balance_abs_threshold"
+_REL = "            and best.load > balance_rel_threshold * least.load"
 
 
 def prefix_choice_mutants() -> dict:
@@ -235,6 +237,15 @@ def prefix_choice_mutants() -> dict:
              "            block_hash = hash_block_tokens(None, tokens[start:start + size])\n")],
         # counts every hash the replica holds, past the first missing one
         "keeps matching past the first miss": [(_MISS, _MISS.replace("break", "continue"))],
+        # overloaded when either threshold is crossed
+        "or instead of and": [(_REL, _REL.replace("and", "or"))],
+        # overloaded already at a threshold: >= for > (both tests, then the relative one only)
+        ">= instead of >": [(_ABS, _ABS.replace(">", ">=")), (_REL, _REL.replace(">", ">="))],
+        ">= on the relative threshold": [(_REL, _REL.replace(">", ">="))],
+        # equal matches go to the lower index, not the less loaded replica
+        "ties by index, not load": [(_BEST, "best = min(replicas, key=lambda r: (-matched[r.index], r.index))")],
+        # the best match is never overloaded
+        "no overload test": [("if (best.load - least.load > balance_abs_threshold", "if (False")],
     }
     from microvllm.core.kv_cache_utils import hash_block_tokens
 

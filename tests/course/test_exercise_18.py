@@ -49,6 +49,33 @@ BUGS = {   # name: (replacements in gated_delta_rule.py, words the first failure
     "o_t read along the wrong axis of S": (
         [(_RETURN, _RETURN.replace('"hk,hkv->hv", q_t', '"hv,hkv->hk", q_t[:, :S.shape[2]]'))],
         "o_t has shape"),
+    # issue 54: each of these got a wrong cause or a generic hint before
+    "q not L2-normalised (k is)": (
+        [("l2_normalize(q_t.float())", "q_t.float()")],
+        "q_t is not L2-normalised (k_t is)"),
+    "k not L2-normalised (q is)": (
+        [("l2_normalize(k_t.float())", "k_t.float()")],
+        "k_t is not L2-normalised (q_t is)"),
+    "key heads tiled with repeat, not repeat_interleave": (
+        [(".repeat_interleave(group, dim=0)", ".repeat(group, 1)")],
+        "repeated as [a, b, a, b] (repeat), not [a, a, b, b] (repeat_interleave)"),
+    "plain linear attention: v written, not the correction": (
+        [(_CORRECTION, "beta_t.float()[:, None] * v_t.float()")],
+        "plain linear attention, not the delta rule"),
+    "v_old recalled from the undecayed state": (
+        [('v_old = torch.einsum("hk,hkv->hv", k_t, S)', 'v_old = torch.einsum("hk,hkv->hv", k_t, state.float())')],
+        "v_old is recalled from the state before the decay"),
+    "the write transposed: v k^T, not k v^T": (
+        [("k_t[:, :, None] * correction[:, None, :]", "correction[:, :, None] * k_t[:, None, :]")],
+        "a d_k axis (4) met a d_v axis (2): S is [H_v, d_k, d_v], so the write is k c^T"),
+}
+FIRST_CASE = {   # the hand case built for the mistake is the first to fail
+    "q not L2-normalised (k is)": "by hand: an empty state",
+    "k not L2-normalised (q is)": "by hand: an empty state",
+    "key heads tiled with repeat, not repeat_interleave": "by hand: two key heads for four value heads",
+    "plain linear attention: v written, not the correction": "by hand: the delta rule writes the correction",
+    "v_old recalled from the undecayed state": "by hand: the decay comes first",
+    "the write transposed: v k^T, not k v^T": "by hand: an empty state",
 }
 MUTANTS = {name: mutant(rule, replacements).gated_delta_step for name, (replacements, _) in BUGS.items()}
 
@@ -85,6 +112,17 @@ def test_each_mistake_is_named_by_its_cause(name):
     first = result.failures[0].message
     assert BUGS[name][1] in first, f"{name}: the first failure does not name the cause:\n{first}"
     assert "hint:" in first and "input:" in first, first
+    if name in FIRST_CASE:
+        assert result.failures[0].name.startswith(FIRST_CASE[name]), result.report()
+        assert "work the case through by hand" not in first, first   # not the generic hint
+
+
+def test_a_transposed_write_is_explained_with_the_shapes():
+    # the shape error comes back as a failure with the line that raised it, not as a crash
+    result = check_gated_delta_step(MUTANTS["the write transposed: v k^T, not k v^T"], quiet=True)
+    first = result.failures[0].message
+    assert re.search(r"raised RuntimeError.*got: .*line \d+: S = S \+ correction\[:, :, None\]", first, re.S), first
+    assert "not c k^T (v k^T, [H_v, d_v, d_k])" in first, first
 
 
 @pytest.mark.parametrize("name", ["the state not carried (each call starts from zeros)",
@@ -115,6 +153,7 @@ def calls_in(message: str) -> int:
 def test_the_engine_cell_tells_a_wrong_step_from_the_right_one():
     result = run_gated_deltanet_with(gated_delta_step, max_tokens=3, quiet=True)
     assert result.same and calls_in(result.message) > 0, result.message
+    assert result.message.splitlines()[-1].startswith("✓ Same greedy tokens and log-probabilities"), result.message
     assert len(result.reference) == 3 and all(len(tokens) == 3 for tokens in result.reference)
     # the first hand case already fails this one: told before the engine starts
     early = run_gated_deltanet_with(MUTANTS["q not scaled by 1/sqrt(d_k)"], quiet=True)
@@ -123,6 +162,7 @@ def test_the_engine_cell_tells_a_wrong_step_from_the_right_one():
     # passes the first hand case (an empty state, g = 0), wrong in the engine
     wrong = run_gated_deltanet_with(MUTANTS["decay applied after the write"], max_tokens=3, quiet=True)
     assert not wrong.same and "✗" in wrong.message and "check_gated_delta_step" in wrong.message, wrong.message
+    assert wrong.message.splitlines()[-1].startswith("✗ Your tokens differ"), wrong.message
     assert calls_in(wrong.message) > 0
     assert rule.gated_delta_step is gated_delta_step   # the package's step is put back
 

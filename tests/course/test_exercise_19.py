@@ -3,9 +3,12 @@ the package's OffloadingConnector and scheduler call them, the checker passes th
 the cause of each usual mistake (loading blocks the local prefix cache holds, scheduling before
 the load finished, freeing a block still being sent, freeing it twice), its random-arrivals
 simulation alone catches them, and the engine cell (the tiny model with the in-process tier)
-tells a wrong scheduler side from the right one and puts the package's back."""
+tells a wrong scheduler side from the right one and puts the package's back. Its workload
+asks what the mistakes get wrong: prompts that end on a block boundary, a gap in the tier, a
+request with every block local, reports naming a request the scheduler never delayed."""
 
 import importlib
+import re
 
 import pytest
 
@@ -16,6 +19,7 @@ from microvllm.checks.kv_connector import (
     HINT_MISS,
     HINT_SENDING,
     HINT_TWICE,
+    HINT_UNKNOWN,
     check_kv_connector,
     make_hashes,
     run_kv_tier_with,
@@ -31,12 +35,17 @@ _FIRST = "    first = num_local_tokens // block_size"
 _LAST = "    last = (num_tokens - 1) // block_size"
 _RETURN = "    return KVLoadPlan(len(indices) * block_size, tuple(indices), bool(indices))"
 _POP = "        blocks = kv_sending.pop(request_id, None)"
+_APPEND = ("        if blocks is not None:   # reported again (or never delayed): nothing to free\n"
+           "            freed.append(blocks)")
 
 PLAN_BUGS = {   # name: (replacements, the hint the first failure must carry)
     "loads blocks the local prefix cache already holds": ([(_FIRST, "    first = 0")], HINT_LOCAL),
     "schedules before the load finished (load_async False)": (
         [(_RETURN, _RETURN.replace("bool(indices)", "False"))], HINT_ASYNC),
     "loads the last token's block": ([(_LAST, "    last = -(-num_tokens // block_size)")], HINT_LAST),
+    "ends at num_tokens // block_size": ([(_LAST, "    last = num_tokens // block_size")], HINT_LAST),
+    "waits with nothing to load (load_async always True)": (
+        [(_RETURN, _RETURN.replace("bool(indices)", "True"))], HINT_ASYNC),
     "counts past the first miss": ([("            break                                 #", "            continue  #")],
                                    HINT_MISS),
 }
@@ -46,6 +55,7 @@ RELEASE_BUGS = {
           "    for request_id in sorted(kv_sending):\n        blocks")], HINT_SENDING),
     "frees twice (reads kv_sending, does not take the entry out)": (
         [(_POP, "        blocks = kv_sending.get(request_id)")], HINT_TWICE),
+    "appends None for a request kv_sending does not hold": ([(_APPEND, "        freed.append(blocks)")], HINT_UNKNOWN),
 }
 MUTANTS = {name: mutant(module, replacements) for name, (replacements, _) in {**PLAN_BUGS, **RELEASE_BUGS}.items()}
 
@@ -117,6 +127,7 @@ def test_a_todo_is_reported_as_not_implemented():
 def test_the_engine_cell_tells_a_wrong_scheduler_side_from_the_right_one():
     result = run_kv_tier_with(plan_kv_load, release_finished_sends, quiet=True)
     assert result.same and "✓ identical" in result.message, result.message
+    assert "✓ Same greedy tokens, prefix-cache hits and tier loads as the package's" in result.message
     assert "(12 calls to your plan_kv_load" in result.message, result.message
     # the example already fails this one: told before the engine starts
     early = run_kv_tier_with(*functions("loads blocks the local prefix cache already holds"), quiet=True)
@@ -155,3 +166,43 @@ def test_the_engine_cells_pre_check_is_the_checkers_example():
     assert not result.same and "example" not in result.message, result.message
     # caught by the engine itself: a third of the prompts end on a block boundary
     assert "leave the last token to be computed" in result.message, result.message
+
+
+def test_a_none_for_a_request_never_delayed_is_named_by_its_own_case():
+    """It used to be first caught by the second report of a request, with the hint about
+    freeing requests still being sent: the wrong cause."""
+    result = check_kv_connector(*functions("appends None for a request kv_sending does not hold"), quiet=True)
+    first = result.failures[0]
+    assert first.name == "a reported request kv_sending does not hold frees nothing", result.report()
+    assert re.search(r"finished_sending = \['z'\].*got: +\[None\].*never its None", first.message, re.S), first.message
+    assert HINT_SENDING not in first.message, first.message
+
+
+def test_the_engine_cells_workload_asks_what_the_mistakes_get_wrong():
+    message = run_kv_tier_with(plan_kv_load, release_finished_sends, quiet=True).message
+    calls = re.search(r"the calls: (\d+) plans past a gap in the tier .*?, (\d+) with every block local .*?, "
+                      r"(\d+) reports of finished sends, each also naming 'never-delayed'", message)
+    assert calls and all(int(count) > 0 for count in calls.groups()), message
+    loaded = re.search(r"tier blocks loaded: yours (\d+)", message)
+    assert loaded and int(loaded.group(1)) > 0, message
+
+
+ENGINE_OUTCOMES = {   # mutant: what the engine cell must say (and it must not pass it)
+    "ends at num_tokens // block_size": r"KVConnectorContractError: .*leave the last token to be computed",
+    "counts past the first miss": r"KeyError.*Your plan skipped a block and offered later ones",
+    "waits with nothing to load (load_async always True)":
+        r"✗ \d+ of your plans offered nothing and said load_async=True.*its tokens cannot show it",
+    "appends None for a request kv_sending does not hold":
+        r"'NoneType' object has no attribute 'blocks'.*returned None among the freed block lists",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_OUTCOMES))
+def test_the_engine_cell_catches_each_mistake_past_its_pre_check(name):
+    wrong = functions(name)
+    result = run_kv_tier_with(*wrong, quiet=True)
+    assert not result.same, result.message
+    assert "example" not in result.message, result.message   # the engine itself, not the pre-check
+    assert re.search(ENGINE_OUTCOMES[name], result.message, re.S), result.message
+    assert "✓ Same greedy tokens" not in result.message, result.message
+    assert module.plan_kv_load is plan_kv_load and module.release_finished_sends is release_finished_sends

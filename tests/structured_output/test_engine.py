@@ -104,8 +104,12 @@ def json_schemas(draw, depth=0):
             "required": names, "additionalProperties": False}
 
 
+# derandomize: the same examples every run. A random search found the case pinned in
+# test_xgrammar_takes_a_surrogates_three_bytes_as_one_character (a limitation of xgrammar's,
+# not a flake); a suite that fails at random on a known limitation hides new failures.
 @pytest.mark.parametrize("arch", ARCHS)
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schemas=st.lists(json_schemas(), min_size=3, max_size=6))
 def test_every_output_is_json_that_validates_against_its_schema(engines, arch, schemas):
     llm = engines[(arch, "xgrammar")]
@@ -117,6 +121,23 @@ def test_every_output_is_json_that_validates_against_its_schema(engines, arch, s
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", (schema, completion.text)
         jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.xfail(strict=True, reason="xgrammar decodes UTF-8 leniently: it takes ED BF AF (U+DFEF, a UTF-16 "
+                   "surrogate, invalid in UTF-8) as one character of a string, and the tokenizer's decode "
+                   "gives three U+FFFD for it, so a maxLength 1 string comes out 3 characters long")
+def test_xgrammar_takes_a_surrogates_three_bytes_as_one_character(engines):
+    """Found by the property test above (qwen3's byte-level tokens 'í', '¿', '¯' are the bytes
+    ED, BF, AF). Strict xfail: when xgrammar (or a mask of ours) refuses surrogates, this
+    passes and must become a plain test."""
+    schema = {"type": "object", "properties": {"id": {"type": "string", "maxLength": 2},
+                                               "ok": {"type": "string", "enum": ["a", "bb"]},
+                                               "name": {"type": "string", "maxLength": 1}},
+              "required": ["id", "ok", "name"], "additionalProperties": False}
+    out = engines[("qwen3", "xgrammar")].generate(["{"], SamplingParams(
+        temperature=1.0, seed=1, max_tokens=200,
+        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True)), use_tqdm=False)
+    jsonschema.validate(json.loads(out[0].outputs[0].text), schema)
 
 
 def test_json_object_is_an_object(engines):

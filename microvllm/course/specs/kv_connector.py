@@ -82,10 +82,14 @@ assert release_finished_sends(sending, {"a"}) == []
     ),
     checks=("result = check_kv_connector(plan_kv_load, release_finished_sends)",),
     engine_intro="""`run_kv_tier_with(plan_kv_load, release_finished_sends)` writes a tiny random Llama to a
-temporary folder and runs the engine with the in-process `OffloadingConnector` (a second KV tier) and
-a KV pool too small for the workload's four shared 48-token prefixes: 12 prompts, one after another,
-greedy. Once with the package's scheduler side, once with your two functions in its place (put back
-afterwards). It compares the tokens, the prefix-cache hits (tier loads included) and the blocks
-loaded, and counts the calls to yours. It takes a few seconds.""",
+temporary folder and runs the engine with the in-process `OffloadingConnector` (a second KV tier) on
+12 prompts, one after another, greedy: 48-token prefixes that come back after the KV pool lost them.
+The tier is small too and evicts its least recently used blocks, so a prefix can come back with a
+block missing from the tier and later ones still held. Some prompts end on a block boundary, the
+last one finds every block in the pool already, and every report of finished sends also names a
+request the scheduler never delayed. Once with the package's scheduler side, once with your two
+functions in its place (put back afterwards). It compares the tokens, the prefix-cache hits (tier
+loads included) and the blocks loaded, counts the calls to yours, and says where yours answers
+what the engine cannot show (a wait with nothing to load). It takes a few seconds.""",
     engine="run_kv_tier_with(plan_kv_load, release_finished_sends)",
 )

@@ -80,11 +80,13 @@ assert r.expert_ids.tolist() == [1, 1, 3] and r.expert_offsets.tolist() == [0, 0
     ),
     checks=("result = check_moe_align(moe_align_block_size)",),
     engine_intro="""`run_moe_with(moe_align_block_size)` writes a tiny random Qwen3-MoE (8 experts, top-2)
-to a temporary folder and runs four prompts greedily with `enforce_eager=True` and the "sorted"
-experts (`MICROVLLM_MOE_IMPL=sorted`) at 4 rows per block, twice: with the package's
-`moe_align_block_size` and with yours in its place. Each step routes every token through your
-layout (padding, empty experts and all); the tokens must be the same. It takes a few seconds.
-(An unstable sort passes this run, as its rows only move within their own expert's run; the
-contract asks for the stable order so that the layout is one exact answer.)""",
+to a temporary folder and runs four prompts greedily with `enforce_eager=True`, twice: with the
+package's `moe_align_block_size` and with yours in its place. Its experts run block by block, the
+way the Triton kernel runs them: block `b` is rows `b * 4 .. b * 4 + 3` of `sorted_token_ids`, run
+with the weights of expert `expert_ids[b]`, so every field you return is used, and most steps have
+an expert with no pair (the message counts them). The tokens must be the same. It takes a few
+seconds (5 to 6 s measured on a shared, busy 2-core CPU). What it cannot see: an unstable sort
+passes this run, as its rows only move within their own expert's run; the contract asks for the
+stable order so that the layout is one exact answer, and `check_moe_align` above checks it.""",
     engine="run_moe_with(moe_align_block_size)",
 )

@@ -58,7 +58,8 @@ hash that it does hold not count (what does that hash name)?""",
         """With a count per replica (a dict keyed by `replica.index`), "the most blocks, then the fewest
 requests, then the lowest usage, then the lowest index" is one `min(replicas, key=...)` with a tuple
 key: how do you make "most blocks" sort first in a `min`? Then the two fallbacks: nothing matched
-(the best count is 0), and the overload test with both thresholds.""",
+(the best count is 0), and the overload test: are both thresholds needed, or one? Is a load exactly
+on a threshold over it?""",
         """Before you run this, work out the answer by hand:
 ```python
 # Test case: paste it into a new cell and run it (it uses your function above)
@@ -75,7 +76,13 @@ assert (c.replica, c.matched_blocks) == (2, 1), c
 folder, starts two replicas of it in this process (each KV cache holds about half of the system
 prompts), and routes 48 requests (6 system prompts of 4 blocks, a short question after each,
 shuffled) through the `Router` with the prefix-aware policy: once with the package's choice, once
-with yours. Every request must go to the same replica, so the prefix-cache hit rate is the same;
-round robin's hit rate is shown beside it. It takes a few seconds.""",
+with yours. The requests arrive 8 between two steps, so a burst fills one replica's queue, and
+`balance_abs_threshold` is 2 instead of 4: in this small run the package's choices meet every rule
+of the contract (no match, equal matches of unequal load, an overloaded best match, one threshold
+crossed but not both, a load exactly on a threshold), and it counts them for you. Every request must
+go to the same replica, so the prefix-cache hit rate is the same; round robin's is shown beside it.
+One rule it cannot test: the router's tree never holds a prompt's later blocks without its first
+ones, so counting past a missing block changes nothing here (the checker's hand case sees it). It
+takes a few seconds.""",
     engine="run_router_with(choose_prefix_replica)",
 )

@@ -1,5 +1,5 @@
 """The gated delta rule: the linear attention of Qwen3.5's "linear_attention" layers
-(Gated DeltaNet; vLLM: ``vllm/model_executor/layers/fla/ops/`` ``chunk_gated_delta_rule``
+(Gated DeltaNet; vLLM: ``vllm/third_party/flash_linear_attention/ops/`` ``chunk_gated_delta_rule``
 and ``fused_recurrent_gated_delta_rule``, Triton kernels from flash-linear-attention).
 
 Full attention keeps every past key and value (the KV cache grows with the sequence).

@@ -1,6 +1,6 @@
 """``GatedDeltaNet``: Qwen3.5's linear-attention layer, one sequence at a time, its state
-passed in and out (vLLM: ``Qwen3NextGatedDeltaNet`` in
-``vllm/model_executor/models/qwen3_next.py``; the checkpoint's names are Hugging Face's)::
+passed in and out (vLLM: ``QwenGatedDeltaNetAttention`` in
+``vllm/model_executor/layers/mamba/gdn/``; the checkpoint's names are Hugging Face's)::
 
     x [T, hidden]
       ├─ in_proj_qkv ─> causal_conv1d (+ conv state) ─> split q [T, H_k, d_k], k, v [T, H_v, d_v]

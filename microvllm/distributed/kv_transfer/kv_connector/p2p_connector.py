@@ -1,5 +1,5 @@
 """``P2PConnector``: prefill/decode disaggregation between two engines (vLLM: the NIXL
-connector, ``kv_connector/v1/nixl_connector.py``, and its request protocol, which
+connector, the ``kv_connector/v1/nixl/`` package, and its request protocol, which
 ``vllm-router --vllm-pd-disaggregation --kv-connector nixl`` speaks)::
 
     client ──> router ── 1. {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}
