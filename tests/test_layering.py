@@ -37,7 +37,7 @@ LAYERS = [
     {"executor"},
     {"engine"},
     {"llm"},
-    {"entrypoints", "router"},       # the OpenAI server over AsyncLLM; the course router over N engines
+    {"entrypoints", "router", "tool_parsers", "reasoning"},   # the OpenAI server (and its parsers); the course router
     {"viz", "checks", "course", "bench", "testing", "cli", "collect_env", "__main__", ""},   # "": the __init__
 ]
 

@@ -33,6 +33,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info: the tokenizer's configuration as JSON (vLLM's flag; "
                              "off by default, as it shows the tokenizer's whole config and chat template)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="tool_choice='auto' (the default with tools): the model calls tools in its own "
+                             "format, read back by --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="the model's tool-call format: hermes (Qwen2.5, Qwen3), or one a "
+                             "--tool-parser-plugin registers")
+    parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                        help="a Python file that registers a tool parser (ToolParserManager.register_module)")
+    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="split the reasoning from the answer: qwen3 or deepseek_r1 (the message's "
+                             "`reasoning` field)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,

@@ -159,13 +159,36 @@ class CatchAll:
                     scope, receive, send)
 
 
+def chat_parsers(enable_auto_tool_choice: bool, tool_call_parser: str | None,
+                 reasoning_parser: str | None) -> dict:
+    """The parser classes ``--enable-auto-tool-choice --tool-call-parser NAME`` and
+    ``--reasoning-parser NAME`` name; ``ValueError`` saying what to change."""
+    from microvllm.reasoning import ReasoningParserManager
+    from microvllm.tool_parsers import ToolParserManager
+
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the model's tool-call format: "
+                         f"one of {ToolParserManager.list_registered()})")
+    try:
+        return {"enable_auto_tool_choice": enable_auto_tool_choice,
+                "tool_parser": (ToolParserManager.get_tool_parser(tool_call_parser)
+                                if tool_call_parser is not None else None),
+                "reasoning_parser": (ReasoningParserManager.get_reasoning_parser(reasoning_parser)
+                                     if reasoning_parser is not None else None)}
+    except KeyError as error:
+        raise ValueError(error.args[0]) from None
+
+
 def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
-              on_engine_dead=None, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              on_engine_dead=None, enable_tokenizer_info_endpoint: bool = False,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``model_name`` (and any other
     ``served_model_names``). ``on_engine_dead()`` is called once if the engine dies.
     ``enable_tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (else it is a 404)."""
-    serving = OpenAIServing(engine, model_name, chat_template=chat_template)
+    serving = OpenAIServing(engine, model_name, chat_template=chat_template,
+                            **chat_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser))
     names = [model_name, *(served_model_names or [])]
 
     @asynccontextmanager
@@ -399,6 +422,11 @@ def run_server(args: argparse.Namespace) -> int:
     """Build the engine (loading the model), then serve until SIGTERM or Ctrl-C. Returns
     the exit status: 0 after a signal, 1 if the engine died."""
     check_port_free(args.host, args.port)
+    if getattr(args, "tool_parser_plugin", None):
+        from microvllm.tool_parsers import ToolParserManager
+        ToolParserManager.import_tool_parser(args.tool_parser_plugin)
+    chat_parsers(getattr(args, "enable_auto_tool_choice", False), getattr(args, "tool_call_parser", None),
+                 getattr(args, "reasoning_parser", None))   # a wrong name: refused before the model loads
     chat_template = read_chat_template(getattr(args, "chat_template", None))
     engine_args = EngineArgs.from_cli_args(args)
     if args.model_tag is not None:
@@ -419,7 +447,10 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(engine, served[0], served_model_names=served[1:], api_key=api_key,
                     chat_template=chat_template, on_engine_dead=engine_dead,
-                    enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False))
+                    enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False),
+                    enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                    tool_call_parser=getattr(args, "tool_call_parser", None),
+                    reasoning_parser=getattr(args, "reasoning_parser", None))
     limits = RequestLimits.from_cli_args(args)
     app.state.request_limits = limits   # read by RequestGuard
     freeze_gc_heap()   # the model and libraries stay: fewer GC pauses, and a quick exit

@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from microvllm.distributed.kv_transfer.kv_transfer_params import check_kv_transfer_params
 from microvllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -216,6 +216,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Set by the server, never by the body: started with --enable-auto-tool-choice.
+    _auto_tool_choice: bool = PrivateAttr(default=False)
 
     def _more_structured_outputs(self) -> dict[str, StructuredOutputsParams]:
         given = {}
@@ -244,11 +246,20 @@ class ChatCompletionRequest(_SamplingFields):
             return name
         return None
 
+    def enable_auto_tool_choice(self) -> None:
+        """The server parses tool calls in the model's own format (``--enable-auto-tool-choice``)."""
+        self._auto_tool_choice = True
+
+    def parses_tool_calls(self) -> bool:
+        """The model may call tools itself and a tool parser reads its calls."""
+        return self._auto_tool_choice and bool(self.tools) and self.tool_choice in (None, "auto")
+
     def tool_call_schema(self) -> dict | None:
         """The JSON schema the output must follow when a tool call is required (vLLM's way:
         structured outputs): a named function's parameters, or for ``"required"`` a list
         of ``{"name", "parameters"}`` objects, one of the tools each. None otherwise;
-        ``"auto"`` with tools is refused (it needs a parser for the model's own format)."""
+        ``"auto"`` with tools: None with ``--enable-auto-tool-choice`` (a tool parser reads
+        the model's own format), else refused."""
         tools = self.tools or []
         if self.tool_choice in (None, "none", "auto") and not tools:
             return None
@@ -264,9 +275,12 @@ class ChatCompletionRequest(_SamplingFields):
         if not functions:
             raise ValueError(f"tool_choice={self.tool_choice!r} needs tools: list the functions in tools")
         if self.tool_choice in (None, "auto"):
+            if self._auto_tool_choice:
+                return None   # the model writes calls in its own format; the tool parser reads them
             raise ValueError("tool_choice='auto' (the default with tools) needs a parser for this model's own "
-                             "tool-call format, which microvllm does not have: use tool_choice='required' or "
-                             "name a function (the output is then constrained to the tools' JSON schemas)")
+                             "tool-call format: start the server with --enable-auto-tool-choice "
+                             "--tool-call-parser NAME, or use tool_choice='required' or name a function (the "
+                             "output is then constrained to the tools' JSON schemas)")
         name = self.called_function()
         if name is not None:
             if name not in functions:

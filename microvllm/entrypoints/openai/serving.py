@@ -33,6 +33,7 @@ import jinja2
 from microvllm import envs
 from microvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from microvllm.engine.outputs import CompletionOutput, RequestOutput
+from microvllm.entrypoints.openai.chat_parsing import ChoiceParser, delta_dict, tool_call_dict
 from microvllm.entrypoints.openai.chat_utils import parse_chat_messages
 from microvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from microvllm.sampling_params import SamplingParams
@@ -96,11 +97,24 @@ def _finite(logprob: float) -> float:
 class OpenAIServing:
     """The two generation endpoints of one served model."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None = None):
+    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None = None, *,
+                 enable_auto_tool_choice: bool = False, tool_parser: type | None = None,
+                 reasoning_parser: type | None = None):
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template   # --chat-template: replaces the model's
         self.max_model_len = engine.engine.config.scheduler_config.max_model_len
+        # --enable-auto-tool-choice --tool-call-parser NAME, --reasoning-parser NAME (chat_parsing.py)
+        self.enable_auto_tool_choice, self.tool_parser = enable_auto_tool_choice, tool_parser
+        self.reasoning_parser = reasoning_parser
+
+    def _choice_parser(self, request: ChatCompletionRequest) -> ChoiceParser | None:
+        """One choice's parsers, or None when the server has none for this request."""
+        parse_tools = request.parses_tool_calls()
+        if self.reasoning_parser is None and not parse_tools:
+            return None
+        return ChoiceParser(self.reasoning_parser, self.tool_parser, parse_tools=parse_tools,
+                            chat_template_kwargs=request.chat_template_kwargs)
 
     def _decode_one(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer
@@ -239,6 +253,8 @@ class OpenAIServing:
                              f"{error}): change the messages or pass another chat_template") from None
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
+        if self.enable_auto_tool_choice:
+            request.enable_auto_tool_choice()
         params = request.to_sampling_params()
         self.check_request_size(params)
         prompt = await self.engine.run_on_tokenizer_thread(functools.partial(self.render_chat, request))
@@ -258,6 +274,13 @@ class OpenAIServing:
             tool_calls = _tool_calls(request, c)
             if tool_calls is not None:
                 message, finish_reason = {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
+            parser = self._choice_parser(request)
+            if parser is not None:   # reasoning, then the model's own tool calls in the rest
+                reasoning, content, calls = parser.whole(c.text)
+                message = {"role": "assistant", "content": content, "reasoning": reasoning,
+                           "tool_calls": [tool_call_dict(call) for call in calls]}
+                if calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
             choices.append({"index": c.index, "message": message,
                             "logprobs": _chat_logprobs(c, 0, params.logprobs) if params.logprobs is not None else None,
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
@@ -276,6 +299,7 @@ class OpenAIServing:
         last = {"out": first[1]}
         calls_tools = request.tool_call_schema() is not None
         continuous = _continuous_usage(request.stream_options)
+        parsers = {i: self._choice_parser(request) for i in range(request.n)}
 
         async def chunks():
             role = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -294,6 +318,24 @@ class OpenAIServing:
                     if calls_tools:   # the calls are sent whole, once the JSON is complete
                         if c.finish_reason is not None:
                             choices.append(_tool_call_chunk(request, c))
+                        continue
+                    parser = parsers[c.index]
+                    if parser is not None:   # reasoning, content and tool-call pieces
+                        delta = parser.delta(c.delta_text)
+                        if c.finish_reason is not None:
+                            last_piece = parser.finish()
+                            delta.reasoning = (delta.reasoning or "") + (last_piece.reasoning or "") or None
+                            delta.content = (delta.content or "") + (last_piece.content or "") or None
+                            delta.tool_calls += last_piece.tool_calls
+                        fields = delta_dict(delta)
+                        if not fields and c.finish_reason is None:
+                            continue   # held back: a possible start of a tag
+                        finish_reason = c.finish_reason
+                        if parser.tools_called and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                        choices.append({"index": c.index, "delta": fields,
+                                        "logprobs": _chat_logprobs(c, start, top_n) if top_n is not None else None,
+                                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
                         continue
                     choices.append({"index": c.index, "delta": {"content": c.delta_text},
                                     "logprobs": _chat_logprobs(c, start, top_n) if top_n is not None else None,
