@@ -29,9 +29,22 @@ CHAT = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    llm = AsyncLLM(str(make_tiny_model(tmp_path_factory.mktemp("tools") / "llama", "llama", seed=3)),
-                   **LLM_SETTINGS)
+def folder(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tools") / "llama", "llama", seed=3))
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    llm = AsyncLLM(folder, **LLM_SETTINGS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def own_engine(folder):
+    """An engine for a test that starts and stops a server of its own (stopping the app
+    shuts its engine down)."""
+    llm = AsyncLLM(folder, **LLM_SETTINGS)
     yield llm
     llm.shutdown()
 
@@ -90,8 +103,8 @@ def test_tool_choice_none_leaves_the_text_as_content(client):
     assert message.content.startswith("I will look.<tool_call>") and not message.tool_calls
 
 
-def test_without_the_flag_auto_is_refused_with_what_to_do(engine):
-    server = ThreadServer(build_app(engine, "tiny"))
+def test_without_the_flag_auto_is_refused_with_what_to_do(own_engine):
+    server = ThreadServer(build_app(own_engine, "tiny"))
     try:
         response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": CHAT, "tools": TOOLS, "max_tokens": 4})
@@ -107,3 +120,21 @@ def test_the_flags_are_checked_before_the_model_loads():
         chat_parsers(True, "nope", None)
     with pytest.raises(ValueError, match="no reasoning parser named 'r2'.*qwen3"):
         chat_parsers(False, None, "r2")
+
+
+def test_a_template_that_leaves_the_tools_out_is_named_in_the_log_once(own_engine, caplog):
+    """The tiny model's template ignores ``tools``: the server says so (once), since the model
+    could not know it may call them. A template that renders them is not warned about."""
+    server = ThreadServer(build_app(own_engine, "tiny", enable_auto_tool_choice=True, tool_call_parser="hermes"))
+    renders_tools = ("{% for tool in tools %}{{ tool['function']['name'] }}\n{% endfor %}"
+                     "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    body = {"model": "tiny", "messages": CHAT, "tools": TOOLS, "max_tokens": 2}
+    try:
+        with caplog.at_level("WARNING", logger="microvllm.entrypoints.openai.serving"):
+            for extra in ({}, {}, {"chat_template": renders_tools}):
+                response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**body, **extra})
+                assert response.status_code == 200, response.text
+    finally:
+        server.stop()
+    warned = [r.getMessage() for r in caplog.records if "wrote none of the tools" in r.getMessage()]
+    assert len(warned) == 1 and "get_weather" in warned[0] and "--chat-template" in warned[0], warned

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,8 @@ from microvllm.entrypoints.openai.chat_parsing import ChoiceParser, delta_dict, 
 from microvllm.entrypoints.openai.chat_utils import parse_chat_messages
 from microvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from microvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 async def merge(generators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
@@ -107,6 +110,7 @@ class OpenAIServing:
         # --enable-auto-tool-choice --tool-call-parser NAME, --reasoning-parser NAME (chat_parsing.py)
         self.enable_auto_tool_choice, self.tool_parser = enable_auto_tool_choice, tool_parser
         self.reasoning_parser = reasoning_parser
+        self._templates_warned: set[str | None] = set()   # templates that dropped the tools (warned once)
 
     def _choice_parser(self, request: ChatCompletionRequest) -> ChoiceParser | None:
         """One choice's parsers, or None when the server has none for this request."""
@@ -240,7 +244,7 @@ class OpenAIServing:
         if request.tools and request.tool_choice != "none":
             template_kwargs.setdefault("tools", request.tools)   # templates that know tools list them
         try:
-            return tokenizer.chat_prompt(
+            rendered = tokenizer.chat_prompt(
                 messages, request.add_generation_prompt, chat_template=chat_template,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=template_kwargs)
@@ -251,6 +255,20 @@ class OpenAIServing:
             which = "the chat_template given" if chat_template else "the model's chat template"
             raise ValueError(f"messages: {which} cannot render these messages ({type(error).__name__}: "
                              f"{error}): change the messages or pass another chat_template") from None
+        if request.parses_tool_calls():
+            self._warn_if_tools_unseen(request, rendered["prompt"], chat_template)
+        return rendered
+
+    def _warn_if_tools_unseen(self, request: ChatCompletionRequest, prompt: str, chat_template: str | None) -> None:
+        """A template that leaves ``tools`` out of the prompt: the model cannot know it may
+        call them and answers in plain text. Said once per template, in the server's log."""
+        names = [tool["function"]["name"] for tool in request.tools or []]
+        if any(name in prompt for name in names) or chat_template in self._templates_warned:
+            return
+        self._templates_warned.add(chat_template)
+        logger.warning("tool_choice='auto': the chat template wrote none of the tools (%s) into the prompt, so the "
+                       "model cannot know it may call them and will answer in plain text; serve with a "
+                       "--chat-template that renders `tools`", ", ".join(names))
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         if self.enable_auto_tool_choice:
