@@ -7,8 +7,8 @@
     message:    {"reasoning": "Paris, then.", "content": null, "tool_calls": [{...}]}
 
 ``ChoiceParser`` holds one choice's parsers (a streaming parser keeps state between deltas):
-``whole(text)`` for ``stream=False``, ``delta(text)`` per streamed piece and ``finish()``
-at the end of the stream for ``stream=True``.
+``whole(text)`` for ``stream=False``, ``delta(text, last=...)`` per streamed piece for
+``stream=True`` (the last one also flushes what the parsers held back).
 """
 
 from __future__ import annotations
@@ -43,20 +43,17 @@ class ChoiceParser:
         return reasoning, content, calls
 
     # ------------------------------------------------------------ stream=True
-    def delta(self, delta_text: str) -> DeltaMessage:
-        """What one streamed piece of text adds (maybe nothing yet: a tag is held back)."""
+    def delta(self, delta_text: str, *, last: bool = False) -> DeltaMessage:
+        """What one streamed piece of text adds (maybe nothing yet: a tag is held back);
+        ``last``: the stream ends with it, so whatever the parsers held back comes too."""
         out = DeltaMessage(content=delta_text or None)
         if self.reasoning is not None:
-            got = self.reasoning.extract_reasoning_streaming("", "", delta_text)
-            out = got if got is not None else DeltaMessage()
-        return self._tools_of(out, finishing=False)
-
-    def finish(self) -> DeltaMessage:
-        """The end of the stream: whatever the parsers held back."""
-        out = DeltaMessage()
-        if self.reasoning is not None:
-            out = self.reasoning.finish_streaming() or DeltaMessage()
-        return self._tools_of(out, finishing=True)
+            pieces = [self.reasoning.extract_reasoning_streaming("", "", delta_text)]
+            if last:
+                pieces.append(self.reasoning.finish_streaming())
+            out = DeltaMessage(reasoning="".join(p.reasoning or "" for p in pieces if p) or None,
+                               content="".join(p.content or "" for p in pieces if p) or None)
+        return self._tools_of(out, finishing=last)
 
     def _tools_of(self, out: DeltaMessage, *, finishing: bool) -> DeltaMessage:
         """Pass ``out``'s content through the tool parser (reasoning is never parsed for calls)."""

@@ -339,13 +339,7 @@ class OpenAIServing:
                         continue
                     parser = parsers[c.index]
                     if parser is not None:   # reasoning, content and tool-call pieces
-                        delta = parser.delta(c.delta_text)
-                        if c.finish_reason is not None:
-                            last_piece = parser.finish()
-                            delta.reasoning = (delta.reasoning or "") + (last_piece.reasoning or "") or None
-                            delta.content = (delta.content or "") + (last_piece.content or "") or None
-                            delta.tool_calls += last_piece.tool_calls
-                        fields = delta_dict(delta)
+                        fields = delta_dict(parser.delta(c.delta_text, last=c.finish_reason is not None))
                         if not fields and c.finish_reason is None:
                             continue   # held back: a possible start of a tag
                         finish_reason = c.finish_reason
