@@ -167,7 +167,8 @@ class MultiprocExecutor(Executor):
 
     def _fail_if_a_worker_died(self, method: str, raised: tuple[int, str] | None) -> None:
         """Fail naming the first worker that died (killed, crashed: a non-zero exit code; a
-        worker that reported its error exits with 0), and what another rank then raised."""
+        worker that reported its error exits with 0), and, on a line of its own (whether a
+        survivor notices first is a race), what another rank then raised."""
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive() and proc.exitcode != 0:
                 message = (f"worker rank {rank} (pid {proc.pid}) died during {method}() "
@@ -175,7 +176,7 @@ class MultiprocExecutor(Executor):
                 if method == "startup":
                     message += _STARTUP_HINT
                 if raised:
-                    message += f"; then rank {raised[0]} raised: {raised[1].strip().splitlines()[-1]}"
+                    message += f"\nthen rank {raised[0]} raised: {raised[1].strip().splitlines()[-1]}"
                 self._fail(message)
 
     def _fail(self, message: str):

@@ -226,7 +226,7 @@ class RayDistributedExecutor(Executor):
                     # by peer"): the death is the root cause, so give it a moment to show.
                     died = self._first_death(pending, method)
                     if died is not None:
-                        self._fail(f"{died}; then rank {rank} raised: {str(error).strip().splitlines()[-1]}")
+                        self._fail(f"{died}\nthen rank {rank} raised: {str(error).strip().splitlines()[-1]}")
                     self._fail(f"worker rank {rank} ({self._where(rank)}) raised in {method}():\n{error}")
         return [results[rank] for rank in range(len(refs))] if every_rank else results[0]
 
