@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "microvllm"
 LAYERS = [
     {"envs", "utils"},
     {"sampling_params", "inputs", "trace", "tokenizer", "detokenizer", "core", "csrc",
-     "distributed", "profiler"},
+     "distributed", "profiler", "tool_parsers", "reasoning"},   # the parsers: text in, text out
     {"attention", "layers"},
     {"config"},
     {"models", "sample", "structured_output", "spec_decode"},
@@ -37,7 +37,7 @@ LAYERS = [
     {"executor"},
     {"engine"},
     {"llm"},
-    {"entrypoints", "router", "tool_parsers", "reasoning"},   # the OpenAI server (and its parsers); the course router
+    {"entrypoints", "router"},   # the OpenAI server; the course router
     {"viz", "checks", "course", "bench", "testing", "cli", "collect_env", "__main__", ""},   # "": the __init__
 ]
 

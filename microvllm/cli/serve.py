@@ -41,9 +41,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "--tool-parser-plugin registers")
     parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
                         help="a Python file that registers a tool parser (ToolParserManager.register_module)")
-    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                        help="split the reasoning from the answer: qwen3 or deepseek_r1 (the message's "
-                             "`reasoning` field)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,

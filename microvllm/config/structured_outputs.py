@@ -24,3 +24,6 @@ class StructuredOutputsConfig:
     structured_outputs_max_spec_chars: int = 262_144
     structured_outputs_max_choices: int = 4_096
     structured_outputs_max_schema_depth: int = 128
+    # A reasoning parser's name (vLLM's ``reasoning_parser``, from ``--reasoning-parser``):
+    # grammars are in force only after the reasoning it delimits. "": from the first token.
+    reasoning_parser: str = ""

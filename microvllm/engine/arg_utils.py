@@ -58,6 +58,7 @@ from microvllm.models.hub import resolve_model_path
 from microvllm.models.loader import load_config
 from microvllm.models.registry import moe_dims, resolve_model_class
 from microvllm.platforms import Platform, get_platform
+from microvllm.reasoning import ReasoningParserManager
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ VLLM_ONLY_ENGINE_OPTIONS = (
     "num_lookahead_slots", "logprobs_mode", "limit_mm_per_prompt", "mm_processor_kwargs",
     "mm_processor_cache_gb", "disable_mm_preprocessor_cache", "interleave_mm_strings", "media_io_kwargs",
     "task", "runner", "convert", "served_model_name", "override_generation_config",
-    "structured_outputs_config", "guided_decoding_backend", "reasoning_parser",
+    "structured_outputs_config", "guided_decoding_backend",
     "worker_cls", "worker_extension_cls", "logits_processors",
     "logits_processor_pattern", "scheduling_policy", "scheduler_cls", "async_scheduling",
     "enable_expert_parallel", "enable_eplb", "enable_dbo", "disable_custom_all_reduce", "rope_scaling",
@@ -135,6 +136,9 @@ class EngineArgs:
         "most entries in a structured-output choice list"))
     structured_outputs_max_schema_depth: int = field(default=128, metadata=_cli(
         "deepest nesting of a JSON schema, counting what each $ref leads to"))
+    reasoning_parser: str = field(default="", metadata=_cli(
+        "the model's reasoning format (qwen3 or deepseek_r1): structured outputs constrain only what follows "
+        "the reasoning, and the server splits it from the answer (the message's `reasoning` field)"))
     max_logprobs: int = field(default=20, metadata=_cli(
         "the most logprobs (or prompt_logprobs) a request may ask for; -1: up to the vocabulary"))
     max_model_len: int | None = field(default=None, metadata=_cli(
@@ -451,6 +455,11 @@ class EngineArgs:
         timeout = self.structured_outputs_compile_timeout
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"structured_outputs_compile_timeout={timeout!r} must be a number of seconds > 0")
+        if self.reasoning_parser:
+            try:
+                ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)
+            except KeyError as error:
+                raise ValueError(f"reasoning_parser={self.reasoning_parser!r}: {error.args[0]}") from None
         if self.structured_outputs_backend not in STRUCTURED_OUTPUT_BACKENDS:
             raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r}: choose one of "
                              f"{STRUCTURED_OUTPUT_BACKENDS}")

@@ -160,7 +160,8 @@ class EngineCore:
             self.prompts.tokenizer, model_config.hf_config.vocab_size,
             config.structured_outputs_config.structured_outputs_backend,
             token_trie=component(components, "token_trie", TokenTrie),   # the course backend's vocabulary trie
-            limits=config.structured_outputs_config, cache_bytes=envs.xgrammar_cache_bytes())
+            limits=config.structured_outputs_config, cache_bytes=envs.xgrammar_cache_bytes(),
+            reasoning_parser=config.structured_outputs_config.reasoning_parser)
         self.tracer = StepTracer(self.scheduler, model_config.hf_config.vocab_size) if trace else None
         self._last_step: tuple | None = None   # what the last step's trace record was made of
         # Serving sets this: a step's exception then fails only the request at fault.
@@ -252,7 +253,7 @@ class EngineCore:
             # the grammar cache when the front end compiled the same spec.
             grammar = self.structured_output_manager.compile(request.sampling_params, 1)[0]
         if grammar is not None:
-            self.structured_output_manager.add(request.request_id, grammar)
+            self.structured_output_manager.add(request.request_id, grammar, request.prompt_token_ids)
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, block_size=self.config.cache_config.block_size,
@@ -325,7 +326,8 @@ class EngineCore:
             plan, grammar_rows = self._plan()
             finished = None
             if queue and any(self.scheduler.requests[r].num_output_placeholders > 1 for r in grammar_rows):
-                # The older step's tokens advance the grammars this plan needs. Should that
+                # The older step's tokens advance the grammars this plan needs (or end the
+                # reasoning that keeps one from being in force yet). Should that
                 # step fail, this plan (made on top of it) is undone with it and not sent.
                 finished, failed = self._finish_oldest(unsent=plan)
                 if failed:
@@ -472,11 +474,11 @@ class EngineCore:
     # ------------------------------------------------- structured outputs
     def _with_grammar_bitmask(self, plan, rows: list[str]):
         """The plan, plus the token bitmask of ``rows``: its structured requests that sample
-        a token this step (their chunk reaches their last token) and that still run (async
-        scheduling: a step's update in between may have finished one); unchanged when
-        there are none."""
+        a token this step (their chunk reaches their last token), that still run (async
+        scheduling: a step's update in between may have finished one) and whose grammar is
+        in force (past the reasoning, with a reasoning parser); unchanged when there are none."""
         manager = self.structured_output_manager
-        rows = [rid for rid in rows if rid in manager.grammars]
+        rows = [rid for rid in rows if rid in manager.grammars and manager.should_fill_bitmask(rid)]
         if not rows:
             return plan
         return dataclasses.replace(plan, structured_output_request_ids=tuple(rows),
@@ -500,10 +502,13 @@ class EngineCore:
             empty_rows = {rid for rid, none in zip(plan.structured_output_request_ids, empty) if none}
         result, failed = [], []
         for core in core_outputs:
-            if core.request_id in manager.grammars and core.new_token_ids:
+            # With a reasoning parser, only what follows the reasoning (tokens_for_grammar).
+            taken = (manager.tokens_for_grammar(core.request_id, list(core.new_token_ids))
+                     if core.request_id in manager.grammars else [])
+            if taken:
                 if (core.request_id in empty_rows
-                        or not manager.accept_tokens(core.request_id, list(core.new_token_ids))):
-                    failed.append(self._fail_grammar(core.request_id, list(core.new_token_ids)))
+                        or not manager.accept_tokens(core.request_id, taken)):
+                    failed.append(self._fail_grammar(core.request_id, taken))
                     continue
                 if manager.is_terminated(core.request_id) and core.finish_reason is None:
                     self.scheduler.finish_requests(core.request_id, RequestStatus.FINISHED_STOPPED)

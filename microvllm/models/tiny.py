@@ -51,8 +51,9 @@ def tiny_config(arch: str = "llama", **overrides):
 
 
 def make_tiny_model(folder: str | Path, arch: str = "llama", seed: int = 0, *,
-                    tokenizer: bool = True, **overrides) -> Path:
-    """Write a tiny random ``arch`` model (+ tokenizer) into ``folder`` and return it."""
+                    tokenizer: bool = True, added_tokens: tuple[str, ...] = (), **overrides) -> Path:
+    """Write a tiny random ``arch`` model (+ tokenizer, with ``added_tokens`` as one token
+    each: ``build_tiny_tokenizer``) into ``folder`` and return it."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder = Path(folder)
@@ -72,5 +73,5 @@ def make_tiny_model(folder: str | Path, arch: str = "llama", seed: int = 0, *,
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(folder)
     if tokenizer:
         from microvllm.models.tiny_tokenizer import build_tiny_tokenizer
-        build_tiny_tokenizer(folder, vocab_size=config.vocab_size)
+        build_tiny_tokenizer(folder, vocab_size=config.vocab_size, added_tokens=added_tokens)
     return folder

@@ -24,6 +24,7 @@ makes incremental detokenization interesting: one token can be half a character.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -54,19 +55,23 @@ user: Please write a short poem.  assistant: Roses are red, violets are blue.
 """
 
 
-def build_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
+def build_tiny_tokenizer(folder: Path, vocab_size: int = 512, added_tokens: Sequence[str] = ()) -> None:
     """Train a byte-level BPE tokenizer of ``vocab_size`` tokens and save it in ``folder``.
+
+    ``added_tokens`` (e.g. ``("<think>", "</think>")``, as Qwen3's tokenizer has them): text
+    that is one token each, with the last ids (``vocab_size - len(added_tokens)`` on), not
+    special (decoding keeps them in the text, as a model's reasoning and tool-call tags are).
 
     The result loads with ``transformers.AutoTokenizer.from_pretrained(folder)`` and
     with ``microvllm.tokenizer.Tokenizer.from_pretrained(folder)``. Training is
     deterministic: the same ``vocab_size`` always writes the same files.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    min_size = len(SPECIAL_TOKENS) + 256
+    min_size = len(SPECIAL_TOKENS) + 256 + len(added_tokens)
     if vocab_size < min_size:
         raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level tokenizer needs "
-                         f"at least {min_size} tokens (3 special + 256 bytes); use {min_size} or more")
+                         f"at least {min_size} tokens (3 special + 256 bytes + the added ones); use {min_size} or more")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -76,12 +81,13 @@ def build_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(added_tokens),
         special_tokens=SPECIAL_TOKENS,  # trained first, so they get ids 0, 1, 2
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes
         show_progress=False,
     )
     tokenizer.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in added_tokens])
     tokenizer.save(str(folder / "tokenizer.json"))
 
     config = {

@@ -32,6 +32,7 @@ class BaseThinkingReasoningParser:
         self._pending = ""               # text not sent yet
         self._start_checked = False      # past the place a start tag could be
         self._ended = not self.thinking_enabled
+        self._think_ids: tuple[int, int] | None = None
 
     # ------------------------------------------------------------ whole output
     def extract_reasoning(self, model_output: str, request=None) -> tuple[str | None, str | None]:
@@ -76,7 +77,41 @@ class BaseThinkingReasoningParser:
             return None
         return DeltaMessage(content=held) if self._ended else DeltaMessage(reasoning=held)
 
-    def is_reasoning_end(self, text: str) -> bool:
-        """Whether ``text`` (the output so far) is past the reasoning: structured outputs
-        constrain only what follows (vLLM's rule)."""
-        return not self.thinking_enabled or self.end_token in text
+    # ------------------------------------------------------------ the engine's gate
+    # Structured outputs constrain only what follows the reasoning (vLLM's rule): the
+    # engine core asks these, on token ids, whether the grammar is in force yet.
+    def think_token_ids(self) -> tuple[int, int]:
+        """(start, end) tags' token ids; ``ValueError`` when either is not one token of
+        the model's vocabulary (the core could not see where the reasoning ends)."""
+        if self._think_ids is not None:
+            return self._think_ids
+        vocab = self.model_tokenizer.hf_tokenizer.get_vocab() if self.model_tokenizer is not None else {}
+        missing = [tag for tag in (self.start_token, self.end_token) if tag not in vocab]
+        if missing:
+            raise ValueError(f"{type(self).__name__}: {' and '.join(map(repr, missing))} must each be one token "
+                             "of the model's vocabulary for the engine to see where the reasoning ends "
+                             "(structured outputs start there): serve a model whose tokenizer has them, or "
+                             "leave out --reasoning-parser")
+        self._think_ids = vocab[self.start_token], vocab[self.end_token]   # get_vocab() builds a dict: once
+        return self._think_ids
+
+    def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
+        """Whether the reasoning is over at the end of ``input_ids`` (a prompt, or a prompt and
+        its output): the last think tag in them is an end tag. A template that switches
+        thinking off writes ``<think>\n\n</think>`` into the prompt: over before it starts."""
+        start, end = self.think_token_ids()
+        for token_id in reversed(input_ids):
+            if token_id == end:
+                return True
+            if token_id == start:
+                return False
+        return False
+
+    def content_ids_after_end(self, delta_ids: Sequence[int]) -> list[int] | None:
+        """The ids after an end tag in ``delta_ids`` (a step's new tokens), or None when the
+        reasoning goes on through them: what the grammar takes in the step it starts."""
+        end = self.think_token_ids()[1]
+        for at, token_id in enumerate(delta_ids):
+            if token_id == end:
+                return list(delta_ids[at + 1:])
+        return None

@@ -19,6 +19,14 @@ a grammar or a list of choices (vLLM: ``v1/structured_output/``).
             a grammar that accepted EOS is terminated: its request is finished
             a token it refuses (the mask allowed nothing): the request fails, "error"
 
+    With a reasoning parser (``reasoning_parser="qwen3"``, ``--reasoning-parser``) the grammar
+    is in force only after the reasoning, vLLM's rule: the model thinks freely, then answers
+    in the format asked for::
+
+        prompt ... <think>   Paris is the capital   </think>   {"city": "Paris"}
+                             no mask, the grammar    the end   masked; the grammar
+                             takes nothing           tag       takes each token
+
 Files: ``backend_types.py`` the interface; ``backend_regex.py`` + ``regex_dfa.py`` the
 course's own backend (regex and choice); ``backend_xgrammar.py`` the production one
 (everything, what vLLM uses); ``bitmask.py`` the mask both fill; ``limits.py`` and
@@ -35,6 +43,7 @@ from collections import OrderedDict
 import torch
 
 from microvllm.config.structured_outputs import StructuredOutputsConfig
+from microvllm.reasoning import ReasoningParserManager
 from microvllm.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
@@ -53,7 +62,8 @@ class StructuredOutputManager:
     """One engine's backend and its requests' grammars (by the scheduler's request id)."""
 
     def __init__(self, tokenizer, vocab_size: int, backend: str = "auto", token_trie: type | None = None,
-                 limits: StructuredOutputsConfig | None = None, cache_bytes: int = 64 << 20):
+                 limits: StructuredOutputsConfig | None = None, cache_bytes: int = 64 << 20,
+                 reasoning_parser: str | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend={backend!r}: choose one of {BACKENDS}")
         self.tokenizer, self.vocab_size, self.backend_name = tokenizer, vocab_size, backend
@@ -61,6 +71,13 @@ class StructuredOutputManager:
         self.limits = limits or StructuredOutputsConfig()   # its structured_outputs_max_* fields
         self._backends: dict[str, StructuredOutputBackend] = {}
         self.grammars: dict[str, StructuredOutputGrammar] = {}
+        # The reasoning gate (vLLM's ``reasoner``): per request, whether its reasoning is over
+        # (then its grammar masks and takes tokens). None: no gate, every grammar is in force.
+        self.reasoner = None
+        if reasoning_parser:
+            self.reasoner = ReasoningParserManager.get_reasoning_parser(reasoning_parser)(tokenizer)
+            self.reasoner.think_token_ids()   # ValueError now, at start, if the tags are not tokens
+        self.reasoning_ended: dict[str, bool] = {}
         # Compiled grammars by spec, least recently used first, at most cache_bytes in all:
         # requests with the same schema (a client's every call) compile it once.
         self._compiled: OrderedDict[tuple, tuple[object, int]] = OrderedDict()
@@ -150,11 +167,31 @@ class StructuredOutputManager:
         grammar.fill_bitmask(bitmask, 0)
         return bool(allows_nothing(bitmask, self.vocab_size)[0])
 
-    def add(self, request_id: str, grammar: StructuredOutputGrammar) -> None:
+    def add(self, request_id: str, grammar: StructuredOutputGrammar, prompt_token_ids=()) -> None:
         self.grammars[request_id] = grammar
+        if self.reasoner is not None:   # a prompt can end the reasoning itself (thinking switched off)
+            self.reasoning_ended[request_id] = self.reasoner.is_reasoning_end(prompt_token_ids)
 
     def remove(self, request_id: str) -> None:
         self.grammars.pop(request_id, None)
+        self.reasoning_ended.pop(request_id, None)
+
+    def should_fill_bitmask(self, request_id: str) -> bool:
+        """Whether the request's next token is masked: its grammar is in force."""
+        return self.reasoning_ended.get(request_id, True)
+
+    def tokens_for_grammar(self, request_id: str, new_token_ids: list[int]) -> list[int]:
+        """Which of a step's new tokens the grammar takes: all of them once the reasoning is
+        over; while it goes on, none, except those after an end tag among them (the
+        reasoning ended this step: the grammar starts with the next token)."""
+        if self.reasoning_ended.get(request_id, True):
+            return new_token_ids
+        assert self.reasoner is not None
+        after = self.reasoner.content_ids_after_end(new_token_ids)
+        if after is None:
+            return []
+        self.reasoning_ended[request_id] = True
+        return after
 
     def grammar_bitmask(self, request_ids: list[str]) -> torch.Tensor:
         """``[len(request_ids), words]``: row i says what request i may sample next."""

@@ -174,7 +174,7 @@ def chat_parsers(enable_auto_tool_choice: bool, tool_call_parser: str | None,
                 "tool_parser": (ToolParserManager.get_tool_parser(tool_call_parser)
                                 if tool_call_parser is not None else None),
                 "reasoning_parser": (ReasoningParserManager.get_reasoning_parser(reasoning_parser)
-                                     if reasoning_parser is not None else None)}
+                                     if reasoning_parser else None)}
     except KeyError as error:
         raise ValueError(error.args[0]) from None
 

@@ -1,0 +1,123 @@
+"""Structured outputs after the reasoning (vLLM's rule, ``reasoning_parser="qwen3"``): the
+model thinks freely, and the grammar is in force from the token after ``</think>``.
+
+The tiny random model never chooses to stop thinking, so ``logit_bias`` on the ``</think>``
+token (one token of its vocabulary here, as in Qwen3's) makes it do so after a few tokens
+of sampled "reasoning". The grammar is the only thing that keeps what follows on track.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from microvllm import LLM, SamplingParams
+from microvllm.models.tiny import make_tiny_model
+from microvllm.sampling_params import StructuredOutputsParams
+from microvllm.structured_output import StructuredOutputManager
+from microvllm.tokenizer import Tokenizer
+
+THINK = ("<think>", "</think>")
+PATTERN = "[0-9]{3}"
+SETTINGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, structured_outputs_backend="course")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("gate") / "llama", "llama", seed=5, added_tokens=THINK))
+
+
+@pytest.fixture(scope="module")
+def end_id(folder):
+    return Tokenizer.from_pretrained(folder).hf_tokenizer.get_vocab()["</think>"]
+
+
+def params(end_id: int, seed: int, **extra) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=60, logit_bias={end_id: 4.0},
+                          structured_outputs=StructuredOutputsParams(regex=PATTERN), **extra)
+
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1 2 3 4", "Hello, world!"]
+
+
+def run(llm: LLM, end_id: int) -> list[str]:
+    outputs = llm.generate(PROMPTS, [params(end_id, seed) for seed in range(len(PROMPTS))], use_tqdm=False)
+    return [out.outputs[0].text for out in outputs]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_grammar_holds_only_after_the_reasoning(folder, end_id, async_scheduling):
+    llm = LLM(folder, reasoning_parser="qwen3", async_scheduling=async_scheduling, **SETTINGS)
+    texts = run(llm, end_id)
+    reasonings = []
+    for text in texts:
+        reasoning, end, answer = text.partition("</think>")
+        assert end, f"the biased model never ended its reasoning: {text!r}"
+        assert re.fullmatch(PATTERN, answer), f"what follows the reasoning breaks the grammar: {text!r}"
+        reasonings.append(reasoning)
+    # The reasoning was free: some of it is text the grammar would have refused.
+    assert any(reasoning and not re.fullmatch("[0-9]*", reasoning) for reasoning in reasonings), reasonings
+    assert not llm.llm_engine.structured_output_manager.reasoning_ended, "the finished requests' gates were kept"
+
+
+def test_async_scheduling_gives_the_same_answers(folder, end_id):
+    """With async scheduling a step is planned before the last one's token is known: a step
+    that ends the reasoning must be seen before the next one is masked (or not)."""
+    assert (run(LLM(folder, reasoning_parser="qwen3", **SETTINGS), end_id)
+            == run(LLM(folder, reasoning_parser="qwen3", async_scheduling=True, **SETTINGS), end_id))
+
+
+def test_without_a_reasoning_parser_the_grammar_holds_from_the_first_token(folder, end_id):
+    for text in run(LLM(folder, **SETTINGS), end_id):
+        assert re.fullmatch(PATTERN, text), text
+
+
+def test_a_prompt_that_ends_the_reasoning_puts_the_grammar_in_force_at_once(folder, end_id):
+    """Qwen3's template with ``enable_thinking=False`` writes an empty ``<think></think>``
+    into the prompt: the answer is under the grammar from its first token."""
+    llm = LLM(folder, reasoning_parser="qwen3", **SETTINGS)
+    out = llm.generate(["Answer:<think>\n\n</think>\n\n"], params(end_id, 0), use_tqdm=False)[0]
+    assert re.fullmatch(PATTERN, out.outputs[0].text), out.outputs[0].text
+
+
+def test_the_gate_step_by_step(folder, end_id):
+    """The manager's bookkeeping: no mask and nothing taken while reasoning; in the step that
+    ends it, only the tokens after the end tag."""
+    tokenizer = Tokenizer.from_pretrained(folder)
+    start_id = tokenizer.hf_tokenizer.get_vocab()["<think>"]
+    manager = StructuredOutputManager(tokenizer, 512, "course", reasoning_parser="qwen3")
+    grammar = manager.compile(params(end_id, 0), 1)[0]
+    manager.add("r", grammar, prompt_token_ids=[5, 6, start_id])
+    assert not manager.should_fill_bitmask("r")
+    assert manager.tokens_for_grammar("r", [40, 41]) == []
+    seven, eight = tokenizer.encode("7", add_special_tokens=False), tokenizer.encode("8", add_special_tokens=False)
+    assert manager.tokens_for_grammar("r", [42, end_id, *seven]) == seven
+    assert manager.should_fill_bitmask("r")
+    assert manager.tokens_for_grammar("r", eight) == eight
+    manager.remove("r")
+    assert "r" not in manager.reasoning_ended
+    # A prompt whose last think tag is an end tag; a prompt with no think tag at all.
+    manager.add("off", grammar, prompt_token_ids=[start_id, end_id, 9])
+    manager.add("none", grammar, prompt_token_ids=[9, 10])
+    assert manager.should_fill_bitmask("off") and not manager.should_fill_bitmask("none")
+
+
+def test_a_model_without_think_tokens_is_refused_at_start(tmp_path):
+    folder = make_tiny_model(tmp_path / "plain", "llama", seed=5)
+    with pytest.raises(ValueError, match=r"'<think>' and '</think>' must each be one token.*--reasoning-parser"):
+        LLM(str(folder), reasoning_parser="qwen3", **SETTINGS)
+
+
+def test_serve_flag_sets_the_engines_gate():
+    """``microvllm serve --reasoning-parser qwen3``: one flag for both the engine's gate
+    (an ``EngineArgs`` setting, as in vLLM) and the server's split of the message."""
+    import argparse
+
+    from microvllm.cli.serve import add_serve_args
+    from microvllm.engine.arg_utils import EngineArgs
+
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(["m", "--reasoning-parser", "qwen3"])
+    assert EngineArgs.from_cli_args(args).reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="no reasoning parser named 'r1'.*deepseek_r1"):
+        EngineArgs(reasoning_parser="r1").create_engine_config()
