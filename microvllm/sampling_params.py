@@ -47,25 +47,32 @@ class StructuredOutputsParams:
     choice: the output is exactly one of these strings.
     grammar: an EBNF grammar (xgrammar's GBNF dialect).
     json_object: True: the output is some JSON object.
+    structural_tag: xgrammar's structural tag (a dict, or its JSON text): free text, except
+        that after a trigger (``"<tool_call>"``) the output must be one of the tags it lists,
+        each a fixed begin, content under a schema, a fixed end. ``tool_choice="auto"`` with
+        ``strict`` tools uses one (``ToolParser.structural_tag``).
     disable_any_whitespace: JSON without free whitespace between tokens (one compact
         layout; keeps a weak model from wandering in spaces and newlines).
     """
 
-    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
     __slots__ = (*KINDS, "disable_any_whitespace")
 
     def __init__(self, json: dict | str | None = None, regex: str | None = None,
                  choice: list[str] | None = None, grammar: str | None = None,
-                 json_object: bool | None = None, disable_any_whitespace: bool = False):
+                 json_object: bool | None = None, disable_any_whitespace: bool = False,
+                 structural_tag: dict | str | None = None):
         self.json, self.regex, self.choice, self.grammar, self.json_object = json, regex, choice, grammar, json_object
+        self.structural_tag = structural_tag
         self.disable_any_whitespace = bool(disable_any_whitespace)
         given = [name for name in self.KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
-                             f"json_object; got {given or 'none'}")
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or its text), "
-                            f"got {type(self.json).__name__}")
+                             f"json_object, structural_tag; got {given or 'none'}")
+        for name in ("json", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (dict, str)):
+                raise TypeError(f"structured_outputs.{name} must be a JSON object (a dict or its text), "
+                                f"got {type(getattr(self, name)).__name__}")
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and (not isinstance(getattr(self, name), str)
                                                     or not getattr(self, name)):
@@ -76,7 +83,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which one was given: "json", "regex", "choice", "grammar" or "json_object"."""
+        """Which one was given: one of ``KINDS``."""
         return next(name for name in self.KINDS if getattr(self, name) not in (None, False))
 
     @property

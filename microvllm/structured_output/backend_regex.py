@@ -215,7 +215,8 @@ class CourseSpecCompiler(SpecCompiler):
                 spec = choice_regex(spec)
             elif kind != StructuredOutputOptions.REGEX:
                 raise ValueError(f"the course backend compiles regex and choice only, not {kind.value}: "
-                                 "use the xgrammar backend for JSON schemas, JSON objects and grammars")
+                                 "use the xgrammar backend for JSON schemas, JSON objects, grammars and "
+                                 "structural tags")
             return CompiledRegex(spec, RegexDFA(spec))
         except ValueError as error:   # the error starts with the field it is about (a 400's param)
             raise ValueError(f"structured_outputs.{kind.value} cannot be compiled: {error}") from None

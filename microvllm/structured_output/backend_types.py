@@ -24,6 +24,7 @@ class StructuredOutputOptions(enum.Enum):
     REGEX = "regex"
     GRAMMAR = "grammar"           # EBNF / Lark
     CHOICE = "choice"             # one of a list of strings
+    STRUCTURAL_TAG = "structural_tag"   # free text; after a trigger, one of the tags (xgrammar's)
 
 
 class StructuredOutputGrammar(ABC):

@@ -83,6 +83,8 @@ class XgrammarSpecCompiler(SpecCompiler):
                 return compiler.compile_regex(spec)
             if kind == StructuredOutputOptions.GRAMMAR:
                 return compiler.compile_grammar(spec)
+            if kind == StructuredOutputOptions.STRUCTURAL_TAG:
+                return compiler.compile_structural_tag(spec)
             return compiler.compile_grammar(choice_grammar(json.loads(spec) if isinstance(spec, str) else spec))
         except RuntimeError as error:   # xgrammar reports a bad spec as RuntimeError
             raise ValueError(f"structured_outputs.{kind.value} cannot be compiled: "
@@ -127,9 +129,13 @@ class XgrammarBackend(StructuredOutputBackend):
         return int(compiled.memory_size_bytes)
 
     def new_grammar(self, kind: StructuredOutputOptions, compiled, any_whitespace: bool) -> XgrammarGrammar:
-        is_json = kind in (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
+        # A structural tag's calls are JSON too; its free text loses no more than raw control
+        # characters (the mask cannot tell the two apart: it holds everywhere).
+        is_json = kind in (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT,
+                           StructuredOutputOptions.STRUCTURAL_TAG)
         return XgrammarGrammar(self.xgr.GrammarMatcher(compiled),
-                               self.json_safe(any_whitespace) if is_json else None)
+                               self.json_safe(any_whitespace or kind == StructuredOutputOptions.STRUCTURAL_TAG)
+                               if is_json else None)
 
     def json_safe(self, any_whitespace: bool) -> torch.Tensor:
         """Packed words of the ids whose text holds no raw control character. JSON allows

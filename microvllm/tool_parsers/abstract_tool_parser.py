@@ -95,3 +95,25 @@ class ToolParser:
         """The stream ended: what the parser still holds back (text that looked like the
         start of a tag, a call left open), as its last delta."""
         return None
+
+    @classmethod
+    def structural_tag(cls, functions: dict[str, dict]) -> dict | None:
+        """This format as xgrammar's structural tag for ``functions`` (name -> parameters
+        schema): what ``tool_choice="auto"`` with ``strict`` tools is held to. None: the
+        format has none here (strict is then not enforced)."""
+        return None
+
+
+def triggered_tags(trigger: str, calls: list[tuple[str, dict, str]]) -> dict:
+    """A structural tag (xgrammar's ``triggered_tags``): the model writes freely until it
+    writes ``trigger``; from there it must write one of ``calls``, each
+    ``(begin, schema, end)``: the begin text (which starts with the trigger), a JSON value
+    that ``schema`` validates, the end text; then it is free again::
+
+        Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>
+        └ free ────┘└ begin (one per function) ────────────────────┘└ schema ──────────┘└ end ───────┘
+    """
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": [trigger],
+        "tags": [{"begin": begin, "content": {"type": "json_schema", "json_schema": schema}, "end": end}
+                 for begin, schema, end in calls]}}

@@ -216,8 +216,23 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    # Set by the server, never by the body: started with --enable-auto-tool-choice.
+    # Set by the server, never by the body: started with --enable-auto-tool-choice (and the
+    # --tool-call-parser class, whose structural tag holds strict tools to their schemas).
     _auto_tool_choice: bool = PrivateAttr(default=False)
+    _tool_parser: Any = PrivateAttr(default=None)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """As for any request; and, with nothing else asked for, ``tool_choice="auto"`` with
+        a ``strict`` tool: the tool parser's structural tag (free text, but a call the
+        model starts must be a valid call of one of the tools)."""
+        given = super().structured_outputs_params()
+        if given is None and self.parses_tool_calls() and self._tool_parser is not None:
+            functions = self.functions()
+            if any((tool.get("function") or {}).get("strict") is True for tool in self.tools or []):
+                tag = self._tool_parser.structural_tag(functions)
+                if tag is not None:
+                    return StructuredOutputsParams(structural_tag=tag)
+        return given
 
     def _more_structured_outputs(self) -> dict[str, StructuredOutputsParams]:
         given = {}
@@ -246,13 +261,25 @@ class ChatCompletionRequest(_SamplingFields):
             return name
         return None
 
-    def enable_auto_tool_choice(self) -> None:
-        """The server parses tool calls in the model's own format (``--enable-auto-tool-choice``)."""
-        self._auto_tool_choice = True
+    def enable_auto_tool_choice(self, tool_parser: type | None = None) -> None:
+        """The server parses tool calls in the model's own format (``--enable-auto-tool-choice``)
+        with ``tool_parser`` (its class)."""
+        self._auto_tool_choice, self._tool_parser = True, tool_parser
 
     def parses_tool_calls(self) -> bool:
         """The model may call tools itself and a tool parser reads its calls."""
         return self._auto_tool_choice and bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def functions(self) -> dict[str, dict]:
+        """The tools' functions: name -> parameters schema (``ValueError`` for a malformed tool)."""
+        functions = {}
+        for index, tool in enumerate(self.tools or []):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                 "'parameters': {...}}}}")
+            functions[function["name"]] = function.get("parameters") or {"type": "object"}
+        return functions
 
     def tool_call_schema(self) -> dict | None:
         """The JSON schema the output must follow when a tool call is required (vLLM's way:
@@ -260,18 +287,11 @@ class ChatCompletionRequest(_SamplingFields):
         of ``{"name", "parameters"}`` objects, one of the tools each. None otherwise;
         ``"auto"`` with tools: None with ``--enable-auto-tool-choice`` (a tool parser reads
         the model's own format), else refused."""
-        tools = self.tools or []
-        if self.tool_choice in (None, "none", "auto") and not tools:
+        if self.tool_choice in (None, "none", "auto") and not self.tools:
             return None
         if self.tool_choice == "none":
             return None
-        functions = {}
-        for index, tool in enumerate(tools):
-            function = tool.get("function") if isinstance(tool, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise ValueError(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': ..., "
-                                 "'parameters': {...}}}}")
-            functions[function["name"]] = function.get("parameters") or {"type": "object"}
+        functions = self.functions()
         if not functions:
             raise ValueError(f"tool_choice={self.tool_choice!r} needs tools: list the functions in tools")
         if self.tool_choice in (None, "auto"):
