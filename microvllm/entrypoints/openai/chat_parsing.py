@@ -22,11 +22,12 @@ class ChoiceParser:
     (``tool_choice="auto"`` with tools)."""
 
     def __init__(self, reasoning_parser: type | None, tool_parser: type | None, *, parse_tools: bool,
-                 chat_template_kwargs: dict | None = None, tokenizer=None):
+                 chat_template_kwargs: dict | None = None, tokenizer=None, request=None):
         self.reasoning = (reasoning_parser(tokenizer, chat_template_kwargs=chat_template_kwargs)
                           if reasoning_parser is not None else None)
         self.tools = tool_parser(tokenizer) if tool_parser is not None and parse_tools else None
         self.tools_called = False
+        self.request = request   # the tools' schemas type some formats' values (qwen3_xml)
         self._text = ""   # the content so far, as the tool parser was given it
 
     # ------------------------------------------------------------ stream=False
@@ -37,7 +38,7 @@ class ChoiceParser:
             reasoning, content = self.reasoning.extract_reasoning(text)
         calls: list[ToolCall] = []
         if self.tools is not None and content:
-            info = self.tools.extract_tool_calls(content)
+            info = self.tools.extract_tool_calls(content, self.request)
             content, calls = info.content, info.tool_calls
         self.tools_called = bool(calls)
         return reasoning, content, calls
@@ -62,7 +63,8 @@ class ChoiceParser:
         content, out.content = out.content or "", None
         parts = []
         if content:
-            parts.append(self.tools.extract_tool_calls_streaming(self._text, self._text + content, content))
+            parts.append(self.tools.extract_tool_calls_streaming(self._text, self._text + content, content,
+                                                                  request=self.request))
             self._text += content
         if finishing:
             parts.append(self.tools.finish_streaming())
