@@ -47,6 +47,7 @@ import json
 import math
 from typing import Any
 
+from microvllm.tool_parsers.abstract_tool_parser import triggered_tags
 from microvllm.tool_parsers.reparse import Parsed, ReparsingToolParser, may_become, skip_whitespace
 from microvllm.tool_parsers.streaming import split_held_back
 
@@ -217,3 +218,14 @@ class Qwen3XMLToolParser(ReparsingToolParser):
 
     def parse(self, text: str, final: bool, request=None) -> Parsed:
         return parse_qwen3_xml(text, final, request)
+
+    @classmethod
+    def structural_tag(cls, functions: dict[str, dict]) -> dict:
+        """After ``<tool_call>``: one function's call, its parameters as xgrammar's ``qwen_xml``
+        style writes a schema (``<parameter=P>value</parameter>``, each value of its type)."""
+        tag = triggered_tags(TOOL_CALL_START, [
+            (f"{TOOL_CALL_START}\n{FUNCTION_START}{name}>\n", schema, f"{FUNCTION_END}\n{TOOL_CALL_END}")
+            for name, schema in functions.items()])
+        for each in tag["format"]["tags"]:
+            each["content"]["style"] = "qwen_xml"
+        return tag

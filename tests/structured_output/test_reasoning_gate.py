@@ -121,3 +121,53 @@ def test_serve_flag_sets_the_engines_gate():
     assert EngineArgs.from_cli_args(args).reasoning_parser == "qwen3"
     with pytest.raises(ValueError, match="no reasoning parser named 'r1'.*deepseek_r1"):
         EngineArgs(reasoning_parser="r1").create_engine_config()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_tool_call_after_the_reasoning_through_the_server(folder, end_id, stream):
+    """A required call (``tool_choice`` names the function) on a server run with ``--reasoning-parser qwen3``: the model
+    thinks freely, then writes the calls' JSON under the grammar; the message carries the
+    reasoning and the calls (not the JSON as text, not the reasoning as a broken call)."""
+    import json
+
+    import jsonschema
+    import openai
+
+    from microvllm.engine.async_llm import AsyncLLM
+    from microvllm.entrypoints.openai.api_server import build_app
+    from tests.support import LLM_SETTINGS, ThreadServer
+
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}, "required": ["city"],
+            "additionalProperties": False}
+    tokenizer = Tokenizer.from_pretrained(folder)
+    bias = {str(i): -8.0 for i in range(tokenizer.vocab_size) if not tokenizer.decode([i]).strip()}  # no wandering
+    bias[str(end_id)] = 4.0
+    engine = AsyncLLM(folder, reasoning_parser="qwen3", **LLM_SETTINGS)
+    server = ThreadServer(build_app(engine, "tiny", reasoning_parser="qwen3"))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Weather?"}], n=3, seed=4,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            tools=[{"type": "function", "function": {"name": "get_weather", "parameters": city}}],
+            temperature=1.0, max_tokens=200, logit_bias=bias, stream=stream)
+        if stream:
+            reasoning, calls, finish = ["", "", ""], [[], [], []], [None] * 3
+            for chunk in answer:
+                for choice in chunk.choices:
+                    reasoning[choice.index] += (choice.delta.model_extra or {}).get("reasoning") or ""
+                    calls[choice.index] += choice.delta.tool_calls or []
+                    assert not choice.delta.content, choice.delta
+                    finish[choice.index] = choice.finish_reason or finish[choice.index]
+        else:
+            reasoning = [c.message.model_extra["reasoning"] for c in answer.choices]
+            calls = [c.message.tool_calls for c in answer.choices]
+            finish = [c.finish_reason for c in answer.choices]
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert finish == ["tool_calls"] * 3 and all(reasoning), (finish, reasoning)
+    for made in calls:
+        assert [call.function.name for call in made] and {call.function.name for call in made} == {"get_weather"}
+        for call in made:
+            jsonschema.validate(json.loads(call.function.arguments), city)

@@ -9,6 +9,8 @@
     GET  /v1/models[/{id}]      the served model
     POST /v1/completions        prompt(s) -> text         (stream=true: server-sent events)
     POST /v1/chat/completions   messages  -> a reply      (stream=true: server-sent events)
+    POST /v1/responses          input -> output items    (OpenAI's Responses API, stateless;
+                                stream=true: named server-sent events)
     POST /tokenize /detokenize  text or messages <-> token ids (vLLM's)
     GET  /tokenizer_info        the tokenizer's configuration, with --enable-tokenizer-info-endpoint
                                 only (vLLM's; off: 404). lm-eval reads it
@@ -61,9 +63,11 @@ from microvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedE
 from microvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                    ErrorInfo, ErrorResponse, ModelCard, ModelList,
                                                    TokenizeRequest)
+from microvllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from microvllm.entrypoints.openai.request_guard import RequestGuard, with_header_timeout
 from microvllm.entrypoints.openai.request_limits import RequestLimits
 from microvllm.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown
+from microvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from microvllm.utils.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
@@ -189,6 +193,7 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
     ``enable_tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (else it is a 404)."""
     serving = OpenAIServing(engine, model_name, chat_template=chat_template,
                             **chat_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser))
+    responses_serving = OpenAIServingResponses(serving)   # /v1/responses, over the chat path
     names = [model_name, *(served_model_names or [])]
 
     @asynccontextmanager
@@ -309,6 +314,10 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await respond(request, raw_request, serving.create_chat_completion)
+
+    @app.post("/v1/responses")
+    async def responses(request: ResponsesRequest, raw_request: Request):
+        return await respond(request, raw_request, responses_serving.create_response)
 
     if envs.server_dev_mode():   # vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1)
         @app.post("/reset_prefix_cache")

@@ -38,6 +38,7 @@ from microvllm.entrypoints.openai.chat_parsing import ChoiceParser, delta_dict, 
 from microvllm.entrypoints.openai.chat_utils import parse_chat_messages
 from microvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from microvllm.sampling_params import SamplingParams
+from microvllm.tool_parsers.abstract_tool_parser import DeltaMessage
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class OpenAIServing:
         if self.reasoning_parser is None and not parse_tools:
             return None
         return ChoiceParser(self.reasoning_parser, self.tool_parser, parse_tools=parse_tools,
-                            chat_template_kwargs=request.chat_template_kwargs)
+                            chat_template_kwargs=request.chat_template_kwargs, request=request)
 
     def _decode_one(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer
@@ -133,20 +134,22 @@ class OpenAIServing:
             raise ValueError(f"n={params.n} is more than this server allows ({max_n}, set by "
                              "$VLLM_MAX_N_SEQUENCES): ask for fewer samples per request")
 
-    async def _prepare(self, prompt, params: SamplingParams, max_tokens: int | None, where: str) -> dict:
-        """Tokenize off the engine thread, then check the request fits the context."""
+    async def _prepare(self, prompt, params: SamplingParams, max_tokens: int | None, where: str,
+                       max_tokens_field: str = "max_tokens") -> dict:
+        """Tokenize off the engine thread, then check the request fits the context. ``where``:
+        the request's field that holds the prompt ("prompt", "messages", "input");
+        ``max_tokens_field``: the one that holds ``max_tokens``, as the client named it."""
         processed = await self.engine.process_prompt(prompt, params)
         num_prompt_tokens = len(processed["prompt_token_ids"])
         if num_prompt_tokens >= self.max_model_len:
-            field = "prompt" if where == "prompt" else "messages"
-            raise ValueError(f"{field}: the {where} has {num_prompt_tokens} tokens but this model's maximum "
+            raise ValueError(f"{where}: the {where} has {num_prompt_tokens} tokens but this model's maximum "
                              f"context length (max_model_len) is {self.max_model_len}, with room needed for "
                              f"at least one new token: shorten the {where}")
         if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
             raise ValueError(
-                f"max_tokens: this model's maximum context length is {self.max_model_len} tokens; you "
+                f"{max_tokens_field}: this model's maximum context length is {self.max_model_len} tokens; you "
                 f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {where}, "
-                f"{max_tokens} in the completion): reduce the length of the {where} or max_tokens")
+                f"{max_tokens} in the completion): reduce the length of the {where} or {max_tokens_field}")
         return processed
 
     # ------------------------------------------------------- completions
@@ -230,14 +233,15 @@ class OpenAIServing:
         return _sse_stream(chunks(), head, request.stream_options, usage)
 
     # -------------------------------------------------------------- chat
-    def render_chat(self, request: ChatCompletionRequest) -> dict:
-        """The chat as text and token ids; raises ``ValueError`` naming what to change."""
+    def render_chat(self, request: ChatCompletionRequest, where: str = "messages") -> dict:
+        """The chat as text and token ids; raises ``ValueError`` naming what to change (``where``:
+        the field the client wrote the chat in, "messages" or /v1/responses' "input")."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so chat messages cannot be rendered")
         dumped = [m.model_dump(exclude_none=True) for m in request.messages]
         # 8 MB of chat would take seconds and gigabytes to render and tokenize: refused first.
-        self.engine.engine.check_text_fits(sum(_text_chars(m.get("content")) for m in dumped), "messages: the chat")
+        self.engine.engine.check_text_fits(sum(_text_chars(m.get("content")) for m in dumped), f"{where}: the chat")
         messages = parse_chat_messages(dumped)
         chat_template = request.chat_template or self.chat_template
         template_kwargs = dict(request.chat_template_kwargs or {})
@@ -253,8 +257,8 @@ class OpenAIServing:
                              f"{error.message}): fix or remove chat_template") from None
         except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as error:
             which = "the chat_template given" if chat_template else "the model's chat template"
-            raise ValueError(f"messages: {which} cannot render these messages ({type(error).__name__}: "
-                             f"{error}): change the messages or pass another chat_template") from None
+            raise ValueError(f"{where}: {which} cannot render these messages ({type(error).__name__}: "
+                             f"{error}): change the {where} or pass another chat_template") from None
         if request.parses_tool_calls():
             self._warn_if_tools_unseen(request, rendered["prompt"], chat_template)
         return rendered
@@ -272,7 +276,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         if self.enable_auto_tool_choice:
-            request.enable_auto_tool_choice()
+            request.enable_auto_tool_choice(self.tool_parser)
         params = request.to_sampling_params()
         self.check_request_size(params)
         prompt = await self.engine.run_on_tokenizer_thread(functools.partial(self.render_chat, request))
@@ -288,17 +292,14 @@ class OpenAIServing:
         _raise_if_aborted([out])
         choices = []
         for c in out.outputs:
-            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
-            tool_calls = _tool_calls(request, c)
-            if tool_calls is not None:
-                message, finish_reason = {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
             parser = self._choice_parser(request)
+            reasoning, content, tool_calls = parse_choice(request, parser, c.text)
+            message = {"role": "assistant", "content": content}
             if parser is not None:   # reasoning, then the model's own tool calls in the rest
-                reasoning, content, calls = parser.whole(c.text)
-                message = {"role": "assistant", "content": content, "reasoning": reasoning,
-                           "tool_calls": [tool_call_dict(call) for call in calls]}
-                if calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
+                message.update(reasoning=reasoning, tool_calls=tool_calls)
+            elif tool_calls:
+                message["tool_calls"] = tool_calls
+            finish_reason = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
             choices.append({"index": c.index, "message": message,
                             "logprobs": _chat_logprobs(c, 0, params.logprobs) if params.logprobs is not None else None,
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
@@ -318,6 +319,7 @@ class OpenAIServing:
         calls_tools = request.tool_call_schema() is not None
         continuous = _continuous_usage(request.stream_options)
         parsers = {i: self._choice_parser(request) for i in range(request.n)}
+        forced_text = dict.fromkeys(range(request.n), "")   # calls_tools: each choice's content so far
 
         async def chunks():
             role = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -333,11 +335,16 @@ class OpenAIServing:
                     start = progress.advance(c.index, c)
                     if start is None:
                         continue
-                    if calls_tools:   # the calls are sent whole, once the JSON is complete
-                        if c.finish_reason is not None:
-                            choices.append(_tool_call_chunk(request, c))
-                        continue
                     parser = parsers[c.index]
+                    if calls_tools:   # the calls are sent whole, once the JSON is complete
+                        piece = parser.delta(c.delta_text, last=c.finish_reason is not None) if parser else None
+                        forced_text[c.index] += (piece.content or "") if piece else c.delta_text
+                        if c.finish_reason is not None:
+                            choices.append(_tool_call_chunk(request, c, forced_text[c.index], piece))
+                        elif piece is not None and piece.reasoning:   # the reasoning before them streams
+                            choices.append({"index": c.index, "delta": {"reasoning": piece.reasoning},
+                                            "logprobs": None, "finish_reason": None})
+                        continue
                     if parser is not None:   # reasoning, content and tool-call pieces
                         fields = delta_dict(parser.delta(c.delta_text, last=c.finish_reason is not None))
                         if not fields and c.finish_reason is None:
@@ -423,14 +430,30 @@ async def _sse_stream(chunks: AsyncIterator[dict], head: dict, stream_options, u
     yield sse("[DONE]")
 
 
-def _tool_calls(request: ChatCompletionRequest, c: CompletionOutput) -> list[dict] | None:
+def parse_choice(request: ChatCompletionRequest, parser: ChoiceParser | None,
+                 text: str) -> tuple[str | None, str | None, list[dict]]:
+    """A whole choice's (reasoning, content, tool calls as the API writes them): the
+    reasoning split off first (``--reasoning-parser``); then the calls the model wrote in
+    its own format (``tool_choice="auto"``, the tool parser) or, when a call was required,
+    the JSON the content was constrained to (``_tool_calls``)."""
+    reasoning, content, calls = None, text, []
+    if parser is not None:
+        reasoning, content, parsed = parser.whole(text)
+        calls = [tool_call_dict(call) for call in parsed]
+    forced = _tool_calls(request, content or "")
+    if forced is not None:
+        return reasoning, None, forced
+    return reasoning, content, calls
+
+
+def _tool_calls(request: ChatCompletionRequest, text: str) -> list[dict] | None:
     """The tool calls in a choice whose output was constrained to the tools' schema
     (``tool_choice`` required or named); None if there was none or the JSON is cut short
     (``finish_reason="length"``: then the text is returned as content)."""
     if request.tool_call_schema() is None:
         return None
     try:
-        value = json.loads(c.text)
+        value = json.loads(text)
     except json.JSONDecodeError:
         return None
     name = request.called_function()
@@ -440,13 +463,18 @@ def _tool_calls(request: ChatCompletionRequest, c: CompletionOutput) -> list[dic
             for call in calls]
 
 
-def _tool_call_chunk(request: ChatCompletionRequest, c: CompletionOutput) -> dict:
-    tool_calls = _tool_calls(request, c)
+def _tool_call_chunk(request: ChatCompletionRequest, c: CompletionOutput, text: str,
+                     piece: DeltaMessage | None = None) -> dict:
+    """The last chunk of a choice whose calls were required: the calls (or, cut short, the
+    text); ``piece``: the last reasoning the parser gave back, if any."""
+    tool_calls = _tool_calls(request, text)
+    delta: dict = {"reasoning": piece.reasoning} if piece is not None and piece.reasoning else {}
     if tool_calls is None:
-        return {"index": c.index, "delta": {"content": c.text}, "logprobs": None,
+        return {"index": c.index, "delta": {**delta, "content": text}, "logprobs": None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-    return {"index": c.index, "delta": {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]},
-            "logprobs": None, "finish_reason": "tool_calls", "stop_reason": c.stop_reason}
+    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+    return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls",
+            "stop_reason": c.stop_reason}
 
 
 class ServerShuttingDown(RuntimeError):
