@@ -66,11 +66,15 @@ def local_time(timezone: str) -> str:
 
 # ------------------------------------------------------------- the OpenAI Agents SDK
 @pytest.mark.parametrize("streamed", [False, True])
-def test_the_agents_sdk_runs_its_loop(server, streamed):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_the_agents_sdk_runs_its_loop(server, streamed, api):
+    """Its chat-completions model on /v1/chat/completions, its (default) Responses model on
+    /v1/responses: the same loop."""
     from agents import (
         Agent,
         ModelSettings,
         OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
         RunHooks,
         Runner,
         function_tool,
@@ -94,7 +98,8 @@ def test_the_agents_sdk_runs_its_loop(server, streamed):
             agent.model_settings = ModelSettings(temperature=0, max_tokens=300, extra_body=forced(ANSWER_TURN))
 
     agent = Agent(name="weather", instructions="Answer with the tools.",
-                  model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+                  model=(OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(
+                      model="tiny", openai_client=client),
                   tools=[function_tool(weather, name_override="get_weather"),
                          function_tool(local_time, name_override="get_time")],
                   model_settings=ModelSettings(temperature=0, max_tokens=300, extra_body=forced(CALL)))
@@ -120,15 +125,24 @@ def test_the_agents_sdk_runs_its_loop(server, streamed):
     call = result.new_items[1].raw_item
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     assert result.new_items[2].output == "sunny in Paris"
-    # Both turns reached the server as chat requests with the two tools; the second carries
-    # the call back (the assistant's tool_calls, no reasoning text) and its result.
-    assert len(sent) == 2 and all({t["function"]["name"] for t in body["tools"]} == {"get_weather", "get_time"}
-                                  for body in sent)
-    messages = sent[1]["messages"]
-    (assistant,) = [m for m in messages if m["role"] == "assistant"]
-    assert assistant["tool_calls"][0]["function"]["name"] == "get_weather"
-    (tool,) = [m for m in messages if m["role"] == "tool"]
-    assert tool["content"] == "sunny in Paris" and tool["tool_call_id"] == assistant["tool_calls"][0]["id"]
+    # Both turns reached the server with the two tools; the second carries the call back and
+    # its result (chat: the assistant's tool_calls and a tool message; responses: the
+    # function_call item and a function_call_output item).
+    assert len(sent) == 2
+    if api == "chat":
+        assert all({t["function"]["name"] for t in body["tools"]} == {"get_weather", "get_time"} for body in sent)
+        messages = sent[1]["messages"]
+        (assistant,) = [m for m in messages if m["role"] == "assistant"]
+        assert assistant["tool_calls"][0]["function"]["name"] == "get_weather"
+        (tool,) = [m for m in messages if m["role"] == "tool"]
+        assert tool["content"] == "sunny in Paris" and tool["tool_call_id"] == assistant["tool_calls"][0]["id"]
+    else:
+        assert all({t["name"] for t in body["tools"]} == {"get_weather", "get_time"} for body in sent)
+        items = sent[1]["input"]
+        (called,) = [item for item in items if item.get("type") == "function_call"]
+        (output,) = [item for item in items if item.get("type") == "function_call_output"]
+        assert called["name"] == "get_weather" and output["call_id"] == called["call_id"]
+        assert output["output"] == "sunny in Paris"
 
 
 # ------------------------------------------------------------- LangChain
