@@ -113,7 +113,8 @@ def test_bench_structured_runs_on_a_tiny_model(capsys, tiny_llama):
     assert bench_main(["--model", str(tiny_llama), "--batch-sizes", "1", "2", "--max-tokens", "8",
                        "--backend", "xgrammar"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["batch", "plain", "tok/s"] and len(lines) == 3
+    assert lines[0].split()[:3] == ["batch", "constraint", "tok/s"] and len(lines) == 7
+    assert [line.split()[1] for line in lines[1:4]] == ["plain", "schema", "strict"]
 
 
 def test_serve_without_the_serve_extra_names_the_extra(capsys, monkeypatch):

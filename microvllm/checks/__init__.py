@@ -23,7 +23,10 @@ cache manager, every step's decisions (see ``engine_run.py``).
     15 token mask         check_token_trie
     16 Q4_1 blocks        check_q4_1, run_gguf_with (the embedded GGUF file, enforce_eager=True)
     17 MoE permutation    check_moe_align, run_moe_with (a tiny Qwen3-MoE, enforce_eager=True)
+    18 gated delta step   check_gated_delta_step, run_gated_deltanet_with (a tiny Qwen3.5)
+    19 KV connector       check_kv_connector, run_kv_tier_with (a tiny Llama with a second KV tier)
     20 prefix router      check_prefix_choice, run_router_with (two replicas of a tiny Llama)
+    21 Hermes parser      check_hermes_parser, run_hermes_parser_with (a tiny Llama served twice, the openai client)
 """
 
 from microvllm.checks.attention import check_decode_kernel

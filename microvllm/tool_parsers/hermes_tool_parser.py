@@ -14,17 +14,21 @@ newline between the calls), each call a ``ToolCall`` whose ``arguments`` is the 
 exactly as the model wrote it. A call whose JSON does not parse stays in ``content``, tags
 and all; a call left open at the end of the message still counts if its JSON is whole.
 
-Streaming: a state machine over the text, one delta at a time::
+Streaming: a state machine over the text, one delta at a time (``parse_delta``)::
 
     outside ──"<tool_call>"──> inside ──"</tool_call>"──> outside
       │ content, minus a held-back     │ the name, once its string is whole; then the
       │ possible start of the tag      │ arguments' JSON text as it arrives (while the
-                                       │ arguments value is still open)
+                                       │ arguments value is still open: ``streamable_call``)
 
 Concatenating every delta's content and every call's argument fragments gives the same
 content and arguments as the whole-message parse, however the text was cut into deltas
 (the property ``tests/tool_parsers/test_hermes.py`` checks), given calls whose JSON is
 well formed. (vLLM's whole-message parse keeps only the text before the first call.)
+
+``parse_delta`` and ``send_call`` are exercise 21 (``python -m microvllm course build 21``
+cuts their marked bodies out); ``split_held_back``, ``streamable_call`` and ``parse_call``
+are given to the learner.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from microvllm.tool_parsers.abstract_tool_parser import (
     ToolCall,
     ToolParser,
     random_tool_call_id,
+    triggered_tags,
 )
 from microvllm.tool_parsers.streaming import split_held_back
 
@@ -97,6 +102,63 @@ def _skip(text: str, at: int) -> int:
     return at
 
 
+def streamable_call(body: str) -> tuple[str | None, str | None]:
+    """What is certain of a call still being written, ``body`` being its text so far:
+    (its name, once the name's string is whole and it is the object's first member; the
+    arguments' JSON text written so far, once the member after the name is "arguments" and
+    its value has begun with {, [ or a string). None for what is not certain yet::
+
+        {"name": "get_wea                       -> (None, None)
+        {"name": "get_weather", "argu           -> ("get_weather", None)
+        {"name": "get_weather", "arguments": {"ci   -> ("get_weather", '{"ci')
+        {"name": "get_weather", "arguments": {"city": "Paris"}}   -> (.., '{"city": "Paris"}')
+
+    The arguments never run past their value's end, so the text sent while streaming is
+    always a beginning of what ``parse_call`` finds at the close."""
+    try:
+        members, _ = object_members(body)
+    except ValueError:
+        return None, None   # not a call: the close decides (it becomes text)
+    if not members or next(iter(members)) != "name":
+        return None, None   # the name must come first to be streamed; else all at the close
+    start, end = members["name"]
+    name = json.loads(body[start:end])
+    if not isinstance(name, str):
+        return None, None
+    arguments_start = _arguments_start(body)
+    if arguments_start is None:
+        return name, None
+    value_end = members["arguments"][1] if "arguments" in members else len(body)
+    return name, body[arguments_start:value_end]
+
+
+def _arguments_start(body: str) -> int | None:
+    """Where the arguments' value starts, if the member after the name is "arguments"
+    and its value has begun with {, [ or a string (a number could still grow)."""
+    at = body.find('"arguments"')
+    if at < 0:
+        return None
+    try:
+        members, _ = object_members(body[:at])
+    except ValueError:
+        return None
+    if list(members) != ["name"]:
+        return None
+    colon = _skip(body, at + len('"arguments"'))
+    if colon == len(body) or body[colon] != ":":
+        return None
+    start = _skip(body, colon + 1)
+    if start == len(body) or body[start] not in "{[\"":
+        return None
+    return start
+
+
+def add_content(delta: DeltaMessage, text: str) -> None:
+    """Append ``text`` to ``delta.content`` (None stays None for no text)."""
+    if text:
+        delta.content = (delta.content or "") + text
+
+
 def parse_call(body: str) -> tuple[str, str] | None:
     """(name, arguments JSON text) of one call's body, or None if it is not a call."""
     try:
@@ -117,9 +179,9 @@ class Hermes2ProToolParser(ToolParser):
 
     def __init__(self, tokenizer=None):
         super().__init__(tokenizer)
-        self.buffer = ""            # text not sent yet: a possible start of a tag
-        self.in_call = False
-        self.body = ""              # the current call's text after <tool_call>
+        self.buffer = ""            # text received but not handled yet: a possible start of a tag
+        self.in_call = False        # between <tool_call> and </tool_call>
+        self.body = ""              # the current call's text after <tool_call>, as far as it is safe
         self.current_tool_id = -1   # index of the call being streamed (vLLM's name)
         self.current_tool_name_sent = False
         self.arguments_sent = 0     # characters of its arguments sent so far
@@ -146,108 +208,100 @@ class Hermes2ProToolParser(ToolParser):
         text = "".join(content)
         return ExtractedToolCallInformation(bool(calls), calls, text or None)
 
+    # ------------------------------------------------------------ strict tool calls
+    @classmethod
+    def structural_tag(cls, functions: dict[str, dict]) -> dict:
+        """After ``<tool_call>``: one function's call, its arguments under its schema."""
+        return triggered_tags(TOOL_CALL_START, [
+            (f'{TOOL_CALL_START}\n{{"name": {json.dumps(name)}, "arguments": ', schema, f"}}\n{TOOL_CALL_END}")
+            for name, schema in functions.items()])
+
     # ------------------------------------------------------------ streaming
     def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
                                      previous_token_ids: Sequence[int] = (), current_token_ids: Sequence[int] = (),
                                      delta_token_ids: Sequence[int] = (), request=None) -> DeltaMessage | None:
+        delta = self.parse_delta(delta_text)
+        return None if delta.is_empty() else delta
+
+    def finish_streaming(self) -> DeltaMessage | None:
+        delta = self.parse_delta("", end_of_stream=True)
+        return None if delta.is_empty() else delta
+
+    def parse_delta(self, delta_text: str, *, end_of_stream: bool = False) -> DeltaMessage:
+        """One step of the state machine: what ``delta_text`` adds (``end_of_stream``: nothing
+        more will come, so nothing may stay held back)::
+
+            buffer += delta_text, then, until nothing more is certain:
+              outside a call   "<tool_call>" in the buffer: the text before it is content,
+                               enter the call (a fresh body, its name not sent, 0 argument
+                               characters sent); else send what cannot begin the tag
+                               (split_held_back), keep the rest
+              inside a call    "</tool_call>" in the buffer: the body ends before it, close
+                               the call (parse_call: send what is left of it, or give the
+                               whole tagged text back as content if it is not a call and
+                               nothing of it was sent), go on outside with the rest; else
+                               move what cannot begin the end tag into the body and send
+                               what is certain of it (streamable_call)
+              end of stream    a call left open closes as it is (no end tag); the text
+                               held back outside a call is content after all
+        """
+        ### BEGIN SOLUTION
         self.buffer += delta_text
         delta = DeltaMessage()
         while True:
             if not self.in_call:
                 start = self.buffer.find(TOOL_CALL_START)
                 if start < 0:
-                    safe, self.buffer = split_held_back(self.buffer, TOOL_CALL_START)
-                    self._add_content(delta, safe)
-                    break
-                self._add_content(delta, self.buffer[:start])
+                    if end_of_stream:   # it was not a tag after all
+                        safe, self.buffer = self.buffer, ""
+                    else:
+                        safe, self.buffer = split_held_back(self.buffer, TOOL_CALL_START)
+                    add_content(delta, safe)
+                    return delta
+                add_content(delta, self.buffer[:start])
                 self.buffer = self.buffer[start + len(TOOL_CALL_START):]
                 self.in_call, self.body = True, ""
                 self.current_tool_name_sent, self.arguments_sent = False, 0
-            else:
-                end = self.buffer.find(TOOL_CALL_END)
-                if end < 0:
-                    safe, self.buffer = split_held_back(self.buffer, TOOL_CALL_END)
-                    self.body += safe
-                    self._stream_call(delta)
-                    break
-                self.body += self.buffer[:end]
-                self.buffer = self.buffer[end + len(TOOL_CALL_END):]
-                self._close_call(delta, closed=True)
-        return None if delta.is_empty() else delta
+                continue
+            end = self.buffer.find(TOOL_CALL_END)
+            if end < 0 and not end_of_stream:
+                safe, self.buffer = split_held_back(self.buffer, TOOL_CALL_END)
+                self.body += safe
+                self.send_call(delta, *streamable_call(self.body))
+                return delta
+            closed = end >= 0
+            self.body += self.buffer[:end] if closed else self.buffer
+            self.buffer = self.buffer[end + len(TOOL_CALL_END):] if closed else ""
+            call = parse_call(self.body)
+            if call is not None:
+                self.send_call(delta, *call)
+            elif not self.current_tool_name_sent:   # not a call after all: it was text
+                add_content(delta, TOOL_CALL_START + self.body + (TOOL_CALL_END if closed else ""))
+            self.in_call, self.body = False, ""
+        ### END SOLUTION
 
-    def finish_streaming(self) -> DeltaMessage | None:
-        delta = DeltaMessage()
-        if self.in_call:   # left open at the end: a call if its JSON is whole
-            self.body += self.buffer
-            self._close_call(delta, closed=False)
-        else:
-            self._add_content(delta, self.buffer)
-        self.buffer = ""
-        return None if delta.is_empty() else delta
+    def send_call(self, delta: DeltaMessage, name: str | None, arguments: str | None) -> None:
+        """Add to ``delta`` what is new of the current call, given what is known of it now
+        (``name``, ``arguments``: None while not known): the call's first piece once, when its
+        name is known (the next index, a new id, type "function", the name), then the
+        characters of ``arguments`` not sent before (``arguments`` only grows)::
 
-    def _stream_call(self, delta: DeltaMessage) -> None:
-        """Send what is certain of the open call: its name once whole, then its arguments
-        while their value is still being written (never past its end)."""
-        try:
-            members, _ = object_members(self.body)
-        except ValueError:
-            return   # not a call: the close decides (it becomes text)
+            known               sent before        adds
+            (None, None)        nothing            nothing
+            ("f", None)         nothing            DeltaToolCall(0, name="f", id=..., type="function")
+            ("f", '{"a": ')     the name           DeltaToolCall(0, arguments='{"a": ')
+            ("f", '{"a": 1}')   '{"a": '           DeltaToolCall(0, arguments='1}')
+        """
+        ### BEGIN SOLUTION
+        if name is None:
+            return
         if not self.current_tool_name_sent:
-            if not members or next(iter(members)) != "name":
-                return   # the name must come first to be streamed; else all at the close
-            start, end = members["name"]
-            name = json.loads(self.body[start:end])
-            if not isinstance(name, str):
-                return
             self.current_tool_id += 1
             self.current_tool_name_sent = True
             delta.tool_calls.append(DeltaToolCall(self.current_tool_id, DeltaFunctionCall(name=name),
                                                   id=random_tool_call_id(), type="function"))
-        arguments_start = self._arguments_start()
-        if arguments_start is None:
-            return
-        value_end = members["arguments"][1] if "arguments" in members else len(self.body)
-        self._send_arguments(delta, self.body[arguments_start:value_end])
-
-    def _arguments_start(self) -> int | None:
-        """Where the arguments' value starts, if the member after the name is "arguments"
-        and its value has begun with {, [ or a string (a number could still grow)."""
-        at = self.body.find('"arguments"')
-        if at < 0:
-            return None
-        try:
-            members, _ = object_members(self.body[:at])
-        except ValueError:
-            return None
-        if list(members) != ["name"]:
-            return None
-        colon = _skip(self.body, at + len('"arguments"'))
-        if colon == len(self.body) or self.body[colon] != ":":
-            return None
-        start = _skip(self.body, colon + 1)
-        if start == len(self.body) or self.body[start] not in "{[\"":
-            return None
-        return start
-
-    def _send_arguments(self, delta: DeltaMessage, arguments: str) -> None:
-        new = arguments[self.arguments_sent:]
+        new = (arguments or "")[self.arguments_sent:]
         if new:
-            self.arguments_sent = len(arguments)
+            self.arguments_sent += len(new)
             delta.tool_calls.append(DeltaToolCall(self.current_tool_id, DeltaFunctionCall(arguments=new)))
-
-    def _close_call(self, delta: DeltaMessage, *, closed: bool) -> None:
-        call = parse_call(self.body)
-        if call is not None and not self.current_tool_name_sent:
-            self.current_tool_id += 1
-            delta.tool_calls.append(DeltaToolCall(self.current_tool_id, DeltaFunctionCall(name=call[0]),
-                                                  id=random_tool_call_id(), type="function"))
-        if call is not None:
-            self._send_arguments(delta, call[1])
-        elif not self.current_tool_name_sent:   # not a call after all: it was text
-            self._add_content(delta, TOOL_CALL_START + self.body + (TOOL_CALL_END if closed else ""))
-        self.in_call, self.body = False, ""
-
-    @staticmethod
-    def _add_content(delta: DeltaMessage, text: str) -> None:
-        if text:
-            delta.content = (delta.content or "") + text
+        ### END SOLUTION

@@ -120,6 +120,13 @@ def test_solution_plugs_into_the_engine_with_hf_identical_tokens(name, tiny_llam
     if name == "20_prefix_router":   # two replicas behind the Router, the solution choosing for each request
         _router_with_the_solution_choice(tiny_llama, module.choose_prefix_replica)
         return
+    if name == "21_hermes_parser":   # a server streams the tiny model's forced tool calls through the solution's parser
+        from microvllm.checks.hermes_parser import run_hermes_parser_with
+
+        result = run_hermes_parser_with(module.Hermes2ProToolParser, quiet=True)
+        calls = re.search(r"\((\d+) calls to yours\)", result.message)
+        assert result.same and calls and int(calls.group(1)) > 0, result.message
+        return
     components, settings, uses_it = _components(name, module)
     prompts = varied_prompts(512, count=6, seed=3, max_len=40)
     if name == "06_decode_kernel":  # Triton's interpreter is slow: fewer, shorter prompts
