@@ -19,6 +19,7 @@ from pathlib import Path
 from microvllm.engine.arg_utils import EngineArgs, check_engine_options
 from microvllm.engine.engine import Engine
 from microvllm.engine.outputs import RequestOutput
+from microvllm.lora.request import LoRARequest
 from microvllm.sampling_params import SamplingParams, default_sampling_params
 
 
@@ -69,8 +70,12 @@ class LLM:
 
     # ------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for one prompt or a list; results come back in input order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list; results come back in input order.
+        ``lora_request``: the LoRA adapter to run with (engine started with
+        ``enable_lora=True``): one for all prompts, or a list with one per prompt (None:
+        the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -78,10 +83,12 @@ class LLM:
                             f"or a list of those; got {type(prompts).__name__}: {str(prompts)[:60]!r}")
         prompts = list(prompts)
         params = self._params_per_prompt(prompts, sampling_params)
+        loras = self._loras_per_prompt(prompts, lora_request)
         # Check and tokenize every prompt before adding any, so a bad one leaves
         # nothing behind.
-        processed = [self.engine.process_request(str(next(self._ids)), prompt, p, name=f"prompts[{index}]")
-                     for index, (prompt, p) in enumerate(zip(prompts, params))]
+        processed = [self.engine.process_request(str(next(self._ids)), prompt, p, name=f"prompts[{index}]",
+                                                 lora_request=lora)
+                     for index, (prompt, p, lora) in enumerate(zip(prompts, params, loras))]
         request_ids = []
         try:
             for request in processed:
@@ -114,6 +121,15 @@ class LLM:
                                 "use SamplingParams(temperature=0, ...)")
         return sampling_params
 
+    @staticmethod
+    def _loras_per_prompt(prompts, lora_request) -> list[LoRARequest | None]:
+        if not isinstance(lora_request, (list, tuple)):
+            return [lora_request] * len(prompts)   # checked by Engine.process_request
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(lora_request)} lora_request entries: pass one "
+                             "LoRARequest, or a list with one per prompt (None for the base model)")
+        return list(lora_request)
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(request_ids)) if use_tqdm else None
@@ -135,7 +151,8 @@ class LLM:
 
     # ---------------------------------------------------------------- chat
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, *, chat_template: str | None = None,
+             use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None, *,
+             chat_template: str | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts)
@@ -145,6 +162,7 @@ class LLM:
         ``chat_template`` replaces the model's; ``chat_template_kwargs`` are passed to it;
         ``continue_final_message=True`` (with ``add_generation_prompt=False``) continues
         the last assistant message. Each output's ``prompt`` is the rendered text.
+        ``lora_request``: as in ``generate``.
         """
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer, so chat() cannot render messages")
@@ -153,7 +171,7 @@ class LLM:
             conversation, add_generation_prompt, chat_template=chat_template,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
             for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # -------------------------------------------------------------- stream
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:

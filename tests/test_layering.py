@@ -8,7 +8,7 @@ A learner reads the package bottom-up; each layer may use only the ones below it
     attention layers                         attention backends, the model's building blocks
     config                                   EngineConfig and its parts (knows backend names)
     models sample structured_output          the models, the loader, the sampler, grammars,
-      spec_decode                            speculative decoding's proposers
+      spec_decode lora                       speculative decoding's proposers, LoRA adapters
     platforms                                the hardware: ops' fast versions, C++ kernels
     worker  <  executor  <  engine  <  llm   the request's path, top-down
     entrypoints router                       the OpenAI-compatible server (over engine.async_llm),
@@ -31,7 +31,7 @@ LAYERS = [
      "distributed", "profiler", "tool_parsers", "reasoning"},   # the parsers: text in, text out
     {"attention", "layers"},
     {"config"},
-    {"models", "sample", "structured_output", "spec_decode"},
+    {"models", "sample", "structured_output", "spec_decode", "lora"},   # lora: wraps layers/, used by worker/
     {"platforms"},
     {"worker"},
     {"executor"},

@@ -16,7 +16,8 @@ and returns this frozen tree; nothing writes to it afterwards::
     ├── speculative_config SpeculativeConfig | None   who drafts tokens for the target to check
     ├── profiler_config   dict | None      vLLM's profiler settings (start_profile)
     ├── kv_events_config  KVEventsConfig | None   KV cache events for a router (publisher, endpoint)
-    └── kv_transfer_config KVTransferConfig | None  which KV connector runs, in which role
+    ├── kv_transfer_config KVTransferConfig | None  which KV connector runs, in which role
+    └── lora_config       LoRAConfig | None  adapter slots (enable_lora=True)
 
 Each field lives in exactly one of these classes. What the engine learns later (the
 number of KV blocks the executor's profiling allows) is the engine's own state, never
@@ -33,6 +34,7 @@ from microvllm.config.cache import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CA
 from microvllm.config.device import DEVICES, DeviceConfig
 from microvllm.config.kv_events import KVEventsConfig
 from microvllm.config.kv_transfer import KVTransferConfig
+from microvllm.config.lora import LoRAConfig
 from microvllm.config.model import DTYPES, ModelConfig, resolve_dtype
 from microvllm.config.parallel import ParallelConfig
 from microvllm.config.speculative import SpeculativeConfig
@@ -55,11 +57,13 @@ class EngineConfig:
     """vLLM's ``{"profiler": "torch", "torch_profiler_dir": ...}`` for ``start_profile()``."""
     kv_events_config: KVEventsConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None
+    lora_config: LoRAConfig | None = None
 
 
 VllmConfig = EngineConfig  # vLLM's name
 
 __all__ = ["CacheConfig", "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_KV_CACHE_BYTES", "DEVICES", "DTYPES",
-           "DeviceConfig", "EngineConfig", "KVEventsConfig", "KVTransferConfig", "ModelConfig", "ParallelConfig",
+           "DeviceConfig", "EngineConfig", "KVEventsConfig", "KVTransferConfig", "LoRAConfig", "ModelConfig",
+           "ParallelConfig",
            "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig", "VllmConfig",
            "resolve_dtype"]

@@ -59,9 +59,10 @@ ROOT_BLOCK_HASH = BlockHash(hashlib.sha256(b"microvllm prefix cache root").diges
 
 
 def _encode_extra_keys(extra_keys: Sequence[object]) -> bytes:
-    """A stable byte encoding of extra keys (str or int), tagged by type.
+    """A stable byte encoding of extra keys (str, int, or a tuple of those), tagged by type.
 
-    The tag and length prefix keep e.g. ("ab", "c") and ("a", "bc") apart.
+    The tag and length prefix keep e.g. ("ab", "c") and ("a", "bc") apart, and a tuple
+    such as the adapter's ``("lora_name", "sql")`` apart from a cache salt ``"sql"``.
     """
     parts = []
     for key in extra_keys:
@@ -70,8 +71,10 @@ def _encode_extra_keys(extra_keys: Sequence[object]) -> bytes:
             parts.append(b"s" + struct.pack("<I", len(raw)) + raw)
         elif isinstance(key, int):
             parts.append(b"i" + struct.pack("<q", key))
+        elif isinstance(key, tuple):
+            parts.append(b"t" + struct.pack("<I", len(key)) + _encode_extra_keys(key))
         else:
-            raise TypeError(f"extra key {key!r} must be str or int to be hashed stably")
+            raise TypeError(f"extra key {key!r} must be str, int or a tuple of those to be hashed stably")
     return b"".join(parts)
 
 
@@ -101,18 +104,23 @@ def hash_new_full_blocks(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None = None,
+    lora_name: str | None = None,
 ) -> None:
     """Append hashes for blocks of ``token_ids`` that became full since last call.
 
     Incremental: ``block_hashes`` already covers ``len(block_hashes)`` blocks,
     only the new full ones are hashed. The cache salt goes into the first
-    block only; chaining carries it into every later hash.
+    block only; chaining carries it into every later hash. A LoRA adapter's name
+    goes into every block (vLLM's ``_gen_lora_extra_hash_keys``): the same tokens
+    under two adapters (or one and the base model) have different KV.
     Cost: O(new full blocks * block_size).
     """
     start = len(block_hashes) * block_size
+    lora_keys: tuple = (("lora_name", lora_name),) if lora_name is not None else ()
     while start + block_size <= len(token_ids):
         parent = block_hashes[-1] if block_hashes else None
-        extra = (cache_salt,) if (start == 0 and cache_salt is not None) else None
+        salt_keys = (cache_salt,) if (start == 0 and cache_salt is not None) else ()
+        extra = (lora_keys + salt_keys) or None
         block_hashes.append(
             hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         )

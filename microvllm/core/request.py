@@ -80,6 +80,7 @@ class Request:
         block_size: int,
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt: at least one token is needed")
@@ -89,6 +90,8 @@ class Request:
         self.block_size = block_size
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
+        # Its LoRA adapter (a ``LoRARequest``: ``lora_name``, ``lora_int_id``), None for the base model.
+        self.lora_request = lora_request
 
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -117,7 +120,16 @@ class Request:
 
         # Hashes of the full blocks of all_token_ids, grown as tokens arrive.
         self.block_hashes: list[BlockHash] = []
-        hash_new_full_blocks(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+        hash_new_full_blocks(self.block_hashes, self.all_token_ids, block_size, cache_salt, self.lora_name)
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model (vLLM's convention)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:
@@ -142,7 +154,8 @@ class Request:
             token_ids = [token_ids]
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        hash_new_full_blocks(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+        hash_new_full_blocks(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+                             self.lora_name)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

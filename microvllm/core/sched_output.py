@@ -39,6 +39,7 @@ class NewRequestData:
     sampling_params: Any
     block_ids: tuple[tuple[int, ...], ...]  # full block table, one tuple per cache group
     num_computed_tokens: int  # prefix-cache hits (tokens the runner must not recompute)
+    lora_request: Any = None  # its LoRA adapter (a LoRARequest), None for the base model
 
 
 @dataclass(frozen=True)

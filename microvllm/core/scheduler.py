@@ -309,6 +309,7 @@ class Scheduler(KVConnectorScheduling):
                 sampling_params=r.sampling_params,
                 block_ids=tuple(tuple(ids) for ids in kv.get_block_ids(r.request_id)),
                 num_computed_tokens=r.num_computed_tokens,
+                lora_request=r.lora_request,
             )
             for r in scheduled_new
         )

@@ -40,6 +40,7 @@ from microvllm.config import (
     EngineConfig,
     KVEventsConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -73,8 +74,7 @@ VLLM_ONLY_ENGINE_OPTIONS = (
     "kv_cache_dtype", "swap_space", "cpu_offload_gb",
     "load_format", "config_format", "download_dir", "revision", "tokenizer_revision", "code_revision",
     "tokenizer_mode", "hf_config_path", "hf_overrides", "hf_token", "skip_tokenizer_init",
-    "enable_prompt_embeds", "enable_lora", "enable_lora_bias", "max_loras",
-    "max_lora_rank", "max_cpu_loras", "lora_dtype", "fully_sharded_loras", "enable_sleep_mode",
+    "enable_prompt_embeds", "enable_lora_bias", "lora_dtype", "fully_sharded_loras", "enable_sleep_mode",
     "compilation_config", "cuda_graph_sizes", "max_seq_len_to_capture", "num_gpu_blocks_override",
     "num_lookahead_slots", "logprobs_mode", "limit_mm_per_prompt", "mm_processor_kwargs",
     "mm_processor_cache_gb", "disable_mm_preprocessor_cache", "interleave_mm_strings", "media_io_kwargs",
@@ -205,6 +205,14 @@ class EngineArgs:
     kv_transfer_config: dict | None = field(default=None, metadata=_cli(
         'the KV connector, as a JSON dict (vLLM\'s KVTransferConfig): e.g. \'{"kv_connector": '
         '"OffloadingConnector", "kv_role": "kv_both"}\' (a second KV tier)', parse=json.loads))
+    enable_lora: bool = field(default=False, metadata=_cli(
+        "serve LoRA adapters: generate(..., lora_request=LoRARequest(name, id, peft_folder)) picks one per request"))
+    max_loras: int = field(default=1, metadata=_cli(
+        "with enable_lora: most distinct adapters in one step (the device's adapter slots)"))
+    max_lora_rank: int = field(default=16, metadata=_cli(
+        "with enable_lora: the largest adapter rank r served (1, 8, 16, 32, 64, 128, 256, 320 or 512)"))
+    max_cpu_loras: int | None = field(default=None, metadata=_cli(
+        "with enable_lora: adapters kept loaded on the CPU behind the slots (default: max_loras)"))
     trace: bool = field(default=False, metadata=_cli("record every engine step (llm.trace)", cli=False))
     debug_invariants: bool = field(default=False, metadata=_cli(
         "check the block pool and scheduler after every step (slow)", cli=False))
@@ -293,7 +301,28 @@ class EngineArgs:
             profiler_config=self.profiler_config,
             kv_events_config=None if self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config),
             kv_transfer_config=(None if self.kv_transfer_config is None
-                                else KVTransferConfig.from_dict(self.kv_transfer_config)))
+                                else KVTransferConfig.from_dict(self.kv_transfer_config)),
+            lora_config=self._lora_config(hf_config))
+
+    def _lora_config(self, hf_config) -> LoRAConfig | None:
+        """``LoRAConfig`` with ``enable_lora``; None without it (then the other LoRA options
+        must keep their defaults: they would do nothing)."""
+        if not self.enable_lora:
+            changed = [f"{name}={getattr(self, name)!r}" for name, default in
+                       (("max_loras", 1), ("max_lora_rank", 16), ("max_cpu_loras", None))
+                       if getattr(self, name) != default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} without enable_lora=True does nothing: add "
+                                 f"enable_lora=True (--enable-lora) or drop it")
+            return None
+        if self.speculative_config is not None:
+            raise ValueError("enable_lora with speculative_config is not supported (the drafts would run "
+                             "without the request's adapter): drop one of the two")
+        if is_hybrid(hf_config):
+            raise ValueError("enable_lora with a hybrid model (linear-attention layers) is not supported: its "
+                             "projections are not the ones LoRA wraps here")
+        return LoRAConfig(max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
+                          max_cpu_loras=self.max_cpu_loras)
 
     def _check_async_scheduling(self) -> None:
         """What async scheduling does not combine with here, refused. vLLM 0.34 refuses it

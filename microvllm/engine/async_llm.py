@@ -52,6 +52,7 @@ from microvllm.engine.core_client import EngineDeadError
 from microvllm.engine.engine import Engine
 from microvllm.engine.metrics import PerEngineMetrics, ServingMetrics
 from microvllm.engine.outputs import RequestOutput
+from microvllm.lora.request import LoRARequest
 from microvllm.sampling_params import RequestOutputKind, SamplingParams
 from microvllm.structured_output.compile_workers import CompileCancelled, GrammarCompileWorkers
 
@@ -159,12 +160,14 @@ class AsyncLLM(EngineClient):
         return self._thread.is_alive() and self.dead_error is None
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield a ``RequestOutput`` each step this request moves; the last has
         ``finished=True``. ``sampling_params.output_kind`` says what each holds: all the
         text so far (CUMULATIVE, the default), only what is new (DELTA), or only the
         last one is yielded (FINAL_ONLY). A bad prompt or parameter raises ``ValueError`` / ``TypeError``
-        before anything is yielded. Closing or cancelling the generator aborts the request."""
+        before anything is yielded. Closing or cancelling the generator aborts the request.
+        ``lora_request``: the LoRA adapter it runs with (``enable_lora=True``)."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or failed)")
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
@@ -183,7 +186,8 @@ class AsyncLLM(EngineClient):
                 grammars = await self.compile_grammars(sampling_params)
             # Every check and tokenizing: off the engine's thread and off the event loop.
             processed = await self.run_on_tokenizer_thread(functools.partial(
-                self.engine.process_request, request_id, prompt, sampling_params, grammars=grammars))
+                self.engine.process_request, request_id, prompt, sampling_params, grammars=grammars,
+                lora_request=lora_request))
             self._commands.put(("add", processed, accepted))
             await asyncio.wrap_future(accepted)
             while True:

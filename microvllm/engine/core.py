@@ -51,6 +51,7 @@ from microvllm.config.components import check_components, component
 from microvllm.core.async_scheduler import with_async_scheduling
 from microvllm.core.block_pool import BlockPool
 from microvllm.core.kv_cache_manager import KVCacheManager, PoolTooSmallError
+from microvllm.core.lora_scheduling import with_max_loras
 from microvllm.core.outputs import EngineCoreOutput
 from microvllm.core.request import Request, RequestStatus
 from microvllm.core.sched_output import SchedulerOutput
@@ -63,6 +64,7 @@ from microvllm.engine.prompts import PromptProcessor
 from microvllm.engine.step_tracer import StepTracer
 from microvllm.executor import get_executor_class
 from microvllm.executor.multiproc_executor import WorkerError
+from microvllm.lora.request import LoRARequest
 from microvllm.platforms import platform_for
 from microvllm.sampling_params import SamplingParams
 from microvllm.structured_output import StructuredOutputGrammar, StructuredOutputManager
@@ -94,6 +96,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     grammar: StructuredOutputGrammar | None = None
     prompt: str | None = None
+    lora_request: LoRARequest | None = None   # its adapter (checked by the front end); None: the base model
 
 
 @dataclass
@@ -147,9 +150,13 @@ class EngineCore:
         scheduler_class = component(components, "scheduler", Scheduler)
         if config.scheduler_config.async_scheduling:
             scheduler_class = with_async_scheduling(scheduler_class)
+        lora_options = {}
+        if config.lora_config is not None:   # at most max_loras adapters per step
+            scheduler_class = with_max_loras(scheduler_class)
+            lora_options = {"max_loras": config.lora_config.max_loras}
         self.scheduler = scheduler_class(
             config.scheduler_config, self.kv_cache_manager,
-            **({"kv_connector": kv_connector} if kv_connector is not None else {}))
+            **({"kv_connector": kv_connector} if kv_connector is not None else {}), **lora_options)
         # Async scheduling: the plans sent to the execute thread and not yet updated from,
         # oldest first (vLLM's batch_queue: two, so one is planned while one runs).
         self.batch_queue: deque[tuple[SchedulerOutput, object, Future]] | None = None
@@ -257,7 +264,8 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, block_size=self.config.cache_config.block_size,
-            arrival_time=request.arrival_time, cache_salt=request.cache_salt))
+            arrival_time=request.arrival_time, cache_salt=request.cache_salt,
+            lora_request=request.lora_request))
 
     def abort_requests(self, request_ids: Iterable[str], *, stop_string: bool = False) -> None:
         """Finish these requests and free their blocks; unknown or finished ids are

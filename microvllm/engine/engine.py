@@ -39,6 +39,7 @@ from microvllm.engine.input_processor import InputProcessor, ProcessedRequest
 from microvllm.engine.output_processor import OutputProcessor
 from microvllm.engine.outputs import RequestOutput
 from microvllm.engine.prompts import PromptProcessor
+from microvllm.lora.request import LoRARequest
 from microvllm.profiler import TorchProfiler
 from microvllm.sampling_params import SamplingParams
 from microvllm.structured_output import StructuredOutputManager
@@ -148,17 +149,21 @@ class Engine:
         self.core.fault_isolation = value
 
     # ------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue one prompt. ``prompt``: a string, ``{"prompt_token_ids": [...]}``
         or ``{"prompt": "..."}``. With ``params.n > 1`` it becomes n requests in the core
-        that share the prompt's blocks through the prefix cache."""
-        self.add_processed_request(self.process_request(request_id, prompt, params))
+        that share the prompt's blocks through the prefix cache. ``lora_request``: the
+        LoRA adapter it runs with (``enable_lora=True``)."""
+        self.add_processed_request(self.process_request(request_id, prompt, params, lora_request=lora_request))
 
     def process_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                        *, name: str | None = None, grammars: list | None = None) -> ProcessedRequest:
+                        *, name: str | None = None, grammars: list | None = None,
+                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Every check a request must pass, and its tokens; changes nothing
         (``InputProcessor.process``)."""
-        return self.input_processor.process(request_id, prompt, params, name=name, grammars=grammars)
+        return self.input_processor.process(request_id, prompt, params, name=name, grammars=grammars,
+                                            lora_request=lora_request)
 
     def tokenize_prompt(self, prompt, params: SamplingParams, *,
                         name: str | None = None) -> tuple[str | None, list[int]]:

@@ -18,6 +18,7 @@ thread of its own while the core runs a step (vLLM runs it in the API process).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +30,9 @@ from microvllm.engine.core import EngineCoreRequest
 from microvllm.engine.output_processor import sample_ids
 from microvllm.engine.param_checks import check_params_for_model
 from microvllm.engine.prompts import PromptProcessor
+from microvllm.lora.lora_model import check_adapter_fits
+from microvllm.lora.peft_helper import PEFTHelper
+from microvllm.lora.request import LoRARequest
 from microvllm.sampling_params import SamplingParams
 
 
@@ -41,6 +45,7 @@ class ProcessedRequest:
     token_ids: list[int]
     params: SamplingParams
     grammars: list | None = None   # structured outputs: one compiled matcher per sample
+    lora_request: LoRARequest | None = None   # its LoRA adapter, checked; None: the base model
 
 
 class InputProcessor:
@@ -58,14 +63,19 @@ class InputProcessor:
         self.ids_in_use = ids_in_use
 
     def process(self, request_id: str, prompt, params: SamplingParams | None = None,
-                *, name: str | None = None, grammars: list | None = None) -> ProcessedRequest:
+                *, name: str | None = None, grammars: list | None = None,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Every check a request must pass, and its tokens; changes nothing. ``name``: what
         errors call it (``LLM.generate`` checks all its prompts first, as "prompts[2]").
         ``grammars``: its structured-output matchers, compiled already (a server compiles
-        them in worker processes); otherwise they are compiled here."""
+        them in worker processes); otherwise they are compiled here. ``lora_request``: its
+        adapter (``check_lora_request``)."""
         token_ids: list[int] | None = None
         try:
+            self.check_lora_request(lora_request)
             processed = self._process(request_id, prompt, params, name=name, grammars=grammars)
+            if lora_request is not None:
+                processed = dataclasses.replace(processed, lora_request=lora_request)
             token_ids = processed.token_ids
             kv_transfer_params = (processed.params.extra_args or {}).get("kv_transfer_params")
             if kv_transfer_params is not None:   # from a request body: untrusted
@@ -113,6 +123,24 @@ class InputProcessor:
             self.structured_output_manager.check_can_start(params, grammars[0])   # all n are alike
         return ProcessedRequest(request_id, text, token_ids, params, grammars)
 
+    def check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """A LoRA adapter may run only on an engine started with ``enable_lora=True``, and
+        must be a peft folder this engine serves (rank, target modules, plain LoRA): refused
+        here, before the request runs, rather than in the middle of a step."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest(lora_name, lora_int_id, lora_path), "
+                            f"got {type(lora_request).__name__}")
+        lora_config = self.config.lora_config
+        if lora_config is None:
+            raise ValueError(f"lora_request={lora_request.lora_name!r} but this engine was started without "
+                             f"LoRA: start it with enable_lora=True (--enable-lora), and max_lora_rank >= the "
+                             f"adapter's rank")
+        helper = PEFTHelper.from_local_dir(lora_request.lora_path)
+        helper.validate_legal(lora_config.max_lora_rank)
+        check_adapter_fits(lora_request.lora_path, helper, self.config.model_config.hf_config)
+
     def tokenize_prompt(self, prompt, params: SamplingParams, *,
                         name: str | None = None) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt, truncated as ``params.truncate_prompt_tokens`` asks.
@@ -157,7 +185,8 @@ class InputProcessor:
         grammars = processed.grammars or [None] * params.n
         return [EngineCoreRequest(child_id, processed.token_ids, _child_params(params, index),
                                   eos_token_id=self.prompts.eos_token_id, arrival_time=now, cache_salt=salt,
-                                  grammar=grammars[index], prompt=processed.text)
+                                  grammar=grammars[index], prompt=processed.text,
+                                  lora_request=processed.lora_request)
                 for index, child_id in enumerate(sample_ids(processed.request_id, params.n))]
 
 

@@ -22,11 +22,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from microvllm.attention.metadata import AttentionMetadata
+from microvllm.config.lora import LoRAConfig
 from microvllm.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
+from microvllm.lora.punica_wrapper import LoRAMapping
+from microvllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 from microvllm.sample.logprobs import LogprobsLists, compute_logprobs, gather_logprobs, prompt_logprobs_of_chunk
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
@@ -43,6 +47,11 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     num_computed_tokens: int = 0
+    lora_request: Any = None      # its LoRA adapter (a LoRARequest), None: the base model
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_output_tokens(self) -> int:
@@ -99,7 +108,7 @@ class ModelRunner:
                  seed: int, sampler_class: type[Sampler] = Sampler,
                  block_table_class: type[BlockTable] = BlockTable, decode_step_runner=None, device="cpu",
                  drafter=None, rejection_sampler_class: type[RejectionSampler] = RejectionSampler,
-                 disable_by_batch_size: int | None = None):
+                 disable_by_batch_size: int | None = None, lora_config: LoRAConfig | None = None):
         # Where the model and its inputs are, with its index ("cuda:0") as tensors and
         # generators report theirs.
         self.model, self.device = model, torch.empty(0, device=device).device
@@ -126,6 +135,17 @@ class ModelRunner:
         self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
         self.positions = torch.zeros(max_num_batched_tokens, dtype=torch.long)
         self.arange = torch.arange(max(max_num_batched_tokens, max_num_seqs) + 1, dtype=torch.long)
+        # LoRA (lora_config None: off, and nothing below runs): the model's projections are
+        # wrapped (lora/layers.py); each step activates its requests' adapters in the
+        # device slots and tells the wrappers which token runs with which (_set_active_loras).
+        self.lora_manager: LRUCacheWorkerLoRAManager | None = None
+        if lora_config is not None:
+            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+            self.lora_manager = LRUCacheWorkerLoRAManager(lora_config, max_num_batched_tokens, dtype, self.device)
+            self.lora_manager.create_lora_manager(model)
+            # The platform's decode path (CUDA graphs, the CPU fast path) was built around
+            # the unwrapped layers and a fixed token count: decodes run the model as written.
+            self.decode_step_runner = None
 
     # ---------------------------------------------------------------- state
     def _update_states(self, plan) -> None:
@@ -149,7 +169,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
-                generator=generator, num_computed_tokens=new.num_computed_tokens)
+                generator=generator, num_computed_tokens=new.num_computed_tokens,
+                lora_request=getattr(new, "lora_request", None))
             for table, ids in zip(self.block_tables, new.block_ids):
                 table.add_request(new.req_id, list(ids))
         for cached in plan.scheduled_cached_reqs:
@@ -221,6 +242,24 @@ class ModelRunner:
                            attn_metadata=metadata, sampling_req_indices=sampling, logits_indices=logits_indices)
         ### END SOLUTION
 
+    def _set_active_loras(self, inputs: ModelInputs, plan) -> None:
+        """This step's adapters into the device slots, and each token's adapter for the
+        wrapped layers (vLLM: ``LoRAModelRunnerMixin.set_active_loras``)::
+
+            rows        a a a | b | c c      (prefill chunks and decodes alike)
+            index       7 7 7 | 0 | 3 3      lora_int_id per token, 0: the base model
+            prompt      7     | 0 | 3        per request that samples (its logits row)
+        """
+        assert self.lora_manager is not None
+        requests = {s.lora_request for s in inputs.states if s.lora_request is not None}
+        if not requests:   # the base model alone: the wrappers add nothing, at no cost
+            self.lora_manager.set_active_adapters(set(), None)
+            return
+        ids = [s.lora_int_id for s in inputs.states]
+        index_mapping = tuple(i for i, s in zip(ids, inputs.states) for _ in range(plan.num_scheduled_tokens[s.req_id]))
+        prompt_mapping = tuple(ids[i] for i in inputs.sampling_req_indices)
+        self.lora_manager.set_active_adapters(requests, LoRAMapping(index_mapping, prompt_mapping))
+
     # ------------------------------------------------------------------ step
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   metadata: list[AttentionMetadata]) -> torch.Tensor:
@@ -241,6 +280,8 @@ class ModelRunner:
         inputs = self._prepare_inputs(plan).to(self.device)
         req_ids, states = inputs.req_ids, inputs.states
         self._make_generators_on_device(states)
+        if self.lora_manager is not None:
+            self._set_active_loras(inputs, plan)
         hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if self.drafter is not None:   # a draft model computes the same positions' KV
             self.drafter.after_target_forward(inputs)

@@ -102,7 +102,8 @@ class Worker:
                 self.model, max_num_seqs=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len),
             device=self.platform.device, drafter=self._make_drafter(num_blocks),
             rejection_sampler_class=component(components, "rejection_sampler", RejectionSampler),
-            disable_by_batch_size=getattr(self.config.speculative_config, "disable_by_batch_size", None))
+            disable_by_batch_size=getattr(self.config.speculative_config, "disable_by_batch_size", None),
+            lora_config=self.config.lora_config)
         self.platform.process_weights_after_loading(self.model_runner.sampler)
         if self.config.kv_transfer_config is not None:
             self.kv_connector = KVConnectorFactory.create_connector(

@@ -60,7 +60,7 @@ def test_engine_args_as_flags_round_trip(tiny_models):
     # kv_events_config and kv_transfer_config are one option each, holding a dict, as in vLLM.)
     whole = ("profiler_config", "speculative_config", "kv_events_config", "kv_transfer_config")
     assert set(whole) <= {f.name for f in dataclasses.fields(EngineArgs)}
-    parts = [f.type for f in dataclasses.fields(EngineConfig) if f.name.endswith("_config")
+    parts = [f.type.removesuffix(" | None") for f in dataclasses.fields(EngineConfig) if f.name.endswith("_config")
              and f.name not in whole]
     names = [f.name for part in parts for f in dataclasses.fields(getattr(microvllm.config, part))]
     assert len(names) == len(set(names)), names
