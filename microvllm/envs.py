@@ -16,6 +16,9 @@
     VLLM_SERVER_DEV_MODE     vLLM's name: 1 adds the server's development endpoints
                        (``POST /reset_prefix_cache``); off by default, as any client could
                        otherwise empty every user's prefix cache
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING   vLLM's name: True adds ``POST /v1/load_lora_adapter``
+                       and ``/v1/unload_lora_adapter``; off by default, as a client then
+                       chooses a folder on the server's disk to load for every user
 
 Each is read when it is used, not at import, so a notebook or a test can set it first.
 """
@@ -81,6 +84,11 @@ def max_n_sequences() -> int:
 def server_dev_mode() -> bool:
     """``$VLLM_SERVER_DEV_MODE`` is 1: the server's development endpoints are on."""
     return os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
+
+
+def allow_runtime_lora_updating() -> bool:
+    """``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true (vLLM's switch)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
 
 
 def enable_v1_multiprocessing(default: bool = False) -> bool:

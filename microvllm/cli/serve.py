@@ -41,6 +41,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "--tool-parser-plugin registers")
     parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
                         help="a Python file that registers a tool parser (ToolParserManager.register_module)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters to serve (with --enable-lora), each chosen by its name as a request's "
+                             "`model`: name=path of a peft folder, or a JSON object with name, path")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,

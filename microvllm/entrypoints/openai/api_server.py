@@ -61,12 +61,14 @@ from microvllm import envs
 from microvllm.engine.arg_utils import EngineArgs
 from microvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from microvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                                    ErrorInfo, ErrorResponse, ModelCard, ModelList,
                                                    TokenizeRequest)
 from microvllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from microvllm.entrypoints.openai.request_guard import RequestGuard, with_header_timeout
 from microvllm.entrypoints.openai.request_limits import RequestLimits
 from microvllm.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown
+from microvllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_modules
 from microvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from microvllm.utils.gc_utils import freeze_gc_heap
 
@@ -187,14 +189,20 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
               api_key: str | None = None, chat_template: str | None = None,
               on_engine_dead=None, enable_tokenizer_info_endpoint: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``model_name`` (and any other
     ``served_model_names``). ``on_engine_dead()`` is called once if the engine dies.
-    ``enable_tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (else it is a 404)."""
+    ``enable_tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (else it is a 404).
+    ``lora_modules``: LoRA adapters served by name (``--lora-modules``; the engine has
+    ``enable_lora=True``), each checked here: a folder the engine cannot run is refused."""
     serving = OpenAIServing(engine, model_name, chat_template=chat_template,
                             **chat_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser))
     responses_serving = OpenAIServingResponses(serving)   # /v1/responses, over the chat path
     names = [model_name, *(served_model_names or [])]
+    models = serving.models = OpenAIServingModels(names)
+    for module in lora_modules or []:
+        check_lora = engine.engine.input_processor.check_lora_request
+        check_lora(models.add(module.name, module.path))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -248,9 +256,10 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
         return error_response(exc.status_code, message)
 
     def unknown_model(name: str | None) -> JSONResponse | None:
-        if name is None or name in names:
+        if name is None or models.is_served(name):
             return None
-        return error_response(404, f"The model `{name}` does not exist: this server serves `{model_name}`.",
+        served = ", ".join(f"`{card['id']}`" for card in models.model_cards())
+        return error_response(404, f"The model `{name}` does not exist: this server serves {served}.",
                               "NotFoundError", "model")
 
     async def respond(request, raw_request: Request, create):
@@ -296,16 +305,39 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
     async def version():
         return {"version": importlib.metadata.version("microvllm")}
 
-    def card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=model_name, max_model_len=serving.max_model_len)
+    def cards() -> list[ModelCard]:
+        return [ModelCard(**card, max_model_len=serving.max_model_len) for card in models.model_cards()]
 
     @app.get("/v1/models")
-    async def models():
-        return ModelList(data=[card(name) for name in names]).model_dump()
+    async def list_models():
+        return ModelList(data=cards()).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        return unknown_model(model_id) or card(model_id).model_dump()
+        return unknown_model(model_id) or next(c for c in cards() if c.id == model_id).model_dump()
+
+    if envs.allow_runtime_lora_updating():   # vLLM's switch: a client chooses a folder to load
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest):
+            try:
+                lora = models.add(request.lora_name, request.lora_path)
+            except ValueError as error:
+                return error_response(400, str(error), "BadRequestError", "lora_name")
+            try:   # reads the folder's config and tensor shapes: off the event loop
+                await engine.run_on_tokenizer_thread(functools.partial(
+                    engine.engine.input_processor.check_lora_request, lora))
+            except (ValueError, TypeError, OSError) as error:
+                models.remove(request.lora_name)
+                return error_response(400, str(error), "BadRequestError", "lora_path")
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
+            try:
+                models.remove(request.lora_name)   # running requests finish with it; new ones are refused
+            except KeyError as error:
+                return error_response(404, error.args[0], "NotFoundError", "lora_name")
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request):
@@ -437,6 +469,9 @@ def run_server(args: argparse.Namespace) -> int:
     chat_parsers(getattr(args, "enable_auto_tool_choice", False), getattr(args, "tool_call_parser", None),
                  getattr(args, "reasoning_parser", None))   # a wrong name: refused before the model loads
     chat_template = read_chat_template(getattr(args, "chat_template", None))
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    if lora_modules and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora (and --max-lora-rank at least the adapters' rank)")
     engine_args = EngineArgs.from_cli_args(args)
     if args.model_tag is not None:
         engine_args.model = args.model_tag
@@ -459,7 +494,7 @@ def run_server(args: argparse.Namespace) -> int:
                     enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False),
                     enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                     tool_call_parser=getattr(args, "tool_call_parser", None),
-                    reasoning_parser=getattr(args, "reasoning_parser", None))
+                    reasoning_parser=getattr(args, "reasoning_parser", None), lora_modules=lora_modules)
     limits = RequestLimits.from_cli_args(args)
     app.state.request_limits = limits   # read by RequestGuard
     freeze_gc_heap()   # the model and libraries stay: fewer GC pauses, and a quick exit

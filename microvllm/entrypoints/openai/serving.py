@@ -37,6 +37,8 @@ from microvllm.engine.outputs import CompletionOutput, RequestOutput
 from microvllm.entrypoints.openai.chat_parsing import ChoiceParser, delta_dict, tool_call_dict
 from microvllm.entrypoints.openai.chat_utils import parse_chat_messages
 from microvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
+from microvllm.entrypoints.openai.serving_models import OpenAIServingModels
+from microvllm.lora.request import LoRARequest
 from microvllm.sampling_params import SamplingParams
 from microvllm.tool_parsers.abstract_tool_parser import DeltaMessage
 
@@ -111,7 +113,13 @@ class OpenAIServing:
         # --enable-auto-tool-choice --tool-call-parser NAME, --reasoning-parser NAME (chat_parsing.py)
         self.enable_auto_tool_choice, self.tool_parser = enable_auto_tool_choice, tool_parser
         self.reasoning_parser = reasoning_parser
+        # The served names: the base model's and LoRA adapters' (build_app sets it).
+        self.models: OpenAIServingModels | None = None
         self._templates_warned: set[str | None] = set()   # templates that dropped the tools (warned once)
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model)."""
+        return self.models.lora_request(model) if self.models is not None else None
 
     def _choice_parser(self, request: ChatCompletionRequest) -> ChoiceParser | None:
         """One choice's parsers, or None when the server has none for this request."""
@@ -165,7 +173,9 @@ class OpenAIServing:
         prepared = [await self._prepare(p, params, None if scoring_only else request.max_tokens, "prompt")
                     for p in prompts]
         request_id = random_id("cmpl")
-        generators = [self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prepared)]
+        lora = self.lora_request(request.model)
+        generators = [self.engine.generate(p, params, f"{request_id}-{i}", lora_request=lora)
+                      for i, p in enumerate(prepared)]
         results = merge(generators)
         first = await _first(results)   # a bad prompt raises here, before any response starts
         if request.stream:
@@ -282,7 +292,8 @@ class OpenAIServing:
         prompt = await self.engine.run_on_tokenizer_thread(functools.partial(self.render_chat, request))
         prompt = await self._prepare(prompt, params, request.requested_max_tokens, "messages")
         request_id = random_id("chatcmpl")
-        results = merge([self.engine.generate(prompt, params, request_id)])
+        results = merge([self.engine.generate(prompt, params, request_id,
+                                              lora_request=self.lora_request(request.model))])
         first = await _first(results)
         if request.stream:
             return _closing(self._chat_events(request, request_id, first, results, params.logprobs), results)

@@ -65,7 +65,8 @@ class OpenAIServingResponses:
         prompt = await engine.run_on_tokenizer_thread(functools.partial(serving.render_chat, chat, "input"))
         prompt = await serving._prepare(prompt, params, request.max_output_tokens, "input", "max_output_tokens")
         response_id = f"resp_{uuid.uuid4().hex}"
-        results = merge([engine.generate(prompt, params, response_id)])
+        results = merge([engine.generate(prompt, params, response_id,
+                                         lora_request=self.serving.lora_request(request.model))])
         first = await _first(results)   # a bad prompt raises here, before any response starts
         head = self._head(request, response_id, params)
         if request.stream:
