@@ -125,3 +125,14 @@ def test_serve_without_the_serve_extra_names_the_extra(capsys, monkeypatch):
                         lambda name, *args: None if name == "fastapi" else find_spec(name, *args))
     status, _, err = run(capsys, "serve", "--port", "1")
     assert status == 2 and "needs fastapi" in err and "microvllm[serve]" in err and "Traceback" not in err
+
+
+def test_bench_lora_runs_on_a_tiny_model(capsys, tiny_llama):
+    pytest.importorskip("peft")
+    from microvllm.bench.lora import main as bench_main
+
+    assert bench_main(["--model", str(tiny_llama), "--adapters", "2", "--rank", "8", "--batch-sizes", "1", "3",
+                       "--max-tokens", "4", "--rounds", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["batch", "run", "tok/s", "vs", "base"] and len(lines) == 7
+    assert [" ".join(line.split()[1:-2]) for line in lines[2:4]] == ["base, LoRA on", "2 adapters"]

@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             from microvllm.bench.quantized import main as bench_main
         elif argv[1] == "throughput" and _workload(argv[2:]) == "moe":   # its own options
             from microvllm.bench.moe import main as bench_main
+        elif argv[1] == "throughput" and _workload(argv[2:]) == "lora":   # its own options
+            from microvllm.bench.lora import main as bench_main
         elif argv[1] == "throughput":
             from microvllm.bench.throughput import main as bench_main
         elif argv[1] == "serve":
