@@ -27,6 +27,7 @@ cache manager, every step's decisions (see ``engine_run.py``).
     19 KV connector       check_kv_connector, run_kv_tier_with (a tiny Llama with a second KV tier)
     20 prefix router      check_prefix_choice, run_router_with (two replicas of a tiny Llama)
     21 Hermes parser      check_hermes_parser, run_hermes_parser_with (a tiny Llama served twice, the openai client)
+    22 batched LoRA       check_lora_batch, run_lora_with (a tiny Llama, two adapters and the base in one batch)
 """
 
 from microvllm.checks.attention import check_decode_kernel
@@ -34,6 +35,7 @@ from microvllm.checks.block_pool import check_block_pool
 from microvllm.checks.detokenizer import check_detokenizer, check_find_stop_string
 from microvllm.checks.engine_run import run_engine_with
 from microvllm.checks.free_queue import check_free_block_queue
+from microvllm.checks.lora_batch import check_lora_batch, run_lora_with
 from microvllm.checks.model_runner import check_prepare_inputs
 from microvllm.checks.moe_align import check_moe_align, run_moe_with
 from microvllm.checks.prefix_cache import check_get_computed_blocks, check_hash_block_tokens
@@ -49,8 +51,8 @@ from microvllm.checks.structured_output import check_token_trie
 __all__ = [
     "CheckFailure", "CheckResult", "check_block_pool", "check_q4_1", "check_decode_kernel", "check_detokenizer",
     "check_find_stop_string", "check_free_block_queue", "check_get_computed_blocks",
-    "check_hash_block_tokens", "check_moe_align",
+    "check_hash_block_tokens", "check_lora_batch", "check_moe_align",
     "check_prefix_choice", "check_prepare_inputs", "check_rejection_sampler", "check_sampler", "check_scheduler",
-    "check_slot_mapping", "check_token_trie", "run_engine_with", "run_gguf_with", "run_moe_with",
-    "run_router_with",
+    "check_slot_mapping", "check_token_trie", "run_engine_with", "run_gguf_with", "run_lora_with",
+    "run_moe_with", "run_router_with",
 ]

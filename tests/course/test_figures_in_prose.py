@@ -1,6 +1,6 @@
 """A sentence that quotes a measured figure must be computed from the measurement.
 
-In the optional chapters (14-21), a markdown cell that says "1.2x" or
+In the optional chapters (14-22), a markdown cell that says "1.2x" or
 "24-30 ms" next to an output that printed 1.44x teaches the wrong thing on the next
 machine. So: every *figure* in a markdown cell of those notebooks must appear in the
 source or the stored output of a code cell near it (the two code cells before it and
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 NOTEBOOKS = sorted(path for path in (Path(__file__).parents[2] / "notebooks").glob("[12][0-9]_*.ipynb")
-                   if 14 <= int(path.name[:2]) <= 21)
+                   if 14 <= int(path.name[:2]) <= 22)
 UNIT = r"(?:x|×|ms|us|µs|s|%|tok/s|tokens/s|MB|GB|MiB|GiB|KiB|GB/s)"
 FIGURE = re.compile(rf"(?<![\w.§])(\d+(?:[.,]\d+)?)\s?{UNIT}(?![\w/])|(?<![\w.§])(\d+\.\d+)(?![\w.])")
 NEAR = 2   # code cells on each side

@@ -127,6 +127,13 @@ def test_solution_plugs_into_the_engine_with_hf_identical_tokens(name, tiny_llam
         calls = re.search(r"\((\d+) calls to yours\)", result.message)
         assert result.same and calls and int(calls.group(1)) > 0, result.message
         return
+    if name == "22_lora_batch":   # a tiny Llama, two adapters and the base model in one batch, on the solution's ops
+        from microvllm.checks.lora_batch import run_lora_with
+
+        result = run_lora_with(module.bgmv_shrink, module.bgmv_expand_slice, quiet=True)
+        mixed = re.search(r"(\d+) of them on a step with both adapters", result.message)
+        assert result.same and mixed and int(mixed.group(1)) > 0, result.message
+        return
     components, settings, uses_it = _components(name, module)
     prompts = varied_prompts(512, count=6, seed=3, max_len=40)
     if name == "06_decode_kernel":  # Triton's interpreter is slow: fewer, shorter prompts

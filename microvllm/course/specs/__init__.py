@@ -14,7 +14,7 @@ import importlib
 
 NAMES = ("detokenizer", "block_pool", "prefix_cache", "scheduler", "decode_kernel", "sampler", "model_runner",
          "rejection_sampler", "token_mask", "q4_1_blocks", "moe_align",
-         "gated_delta_step", "kv_connector", "prefix_router", "hermes_parser")
+         "gated_delta_step", "kv_connector", "prefix_router", "hermes_parser", "lora_batch")
 
 
 def exercise_specs(*, skip_unavailable: bool = False) -> list:

@@ -18,11 +18,16 @@ import torch
 
 def bgmv_shrink(inputs: torch.Tensor, lora_a_weights: torch.Tensor, output_tensor: torch.Tensor,
                 lora_indices_tensor: torch.Tensor, scaling: float = 1.0) -> None:
-    """``output_tensor[t] = scaling * lora_a_weights[idx[t]] @ inputs[t]`` (0 where idx is -1)."""
-    slots = lora_indices_tensor.clamp(min=0)
-    selected = lora_a_weights[slots].to(inputs.dtype)                # [T, rank, in]
+    """``output_tensor[t] = scaling * lora_a_weights[idx[t]] @ inputs[t]`` (0 where idx is -1)::
+
+        inputs [T, in]   lora_a_weights [max_loras, rank, in]   idx [T]   ->   output_tensor [T, rank]
+    """
+    ### BEGIN SOLUTION
+    slots = lora_indices_tensor.clamp(min=0)                          # -1 would pick the last slot
+    selected = lora_a_weights[slots].to(inputs.dtype)                # [T, rank, in]: each token's own A
     out = torch.bmm(selected, inputs.unsqueeze(-1)).squeeze(-1)        # [T, rank]
     output_tensor.copy_((out * scaling).masked_fill(lora_indices_tensor.unsqueeze(-1) < 0, 0))
+    ### END SOLUTION
 
 
 def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
@@ -30,16 +35,22 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
                       add_inputs: bool = True) -> None:
     """``output_tensor[t, slice] (+)= lora_b_weights[idx[t]] @ inputs[t]``: with ``add_inputs``
     nothing is added where idx is -1; without, the slice is overwritten (zeros where idx is
-    -1). ``lora_b_weights`` is ``[max_loras, slice_size, rank]``."""
+    -1)::
+
+        inputs [T, rank]   lora_b_weights [max_loras, slice_size, rank]   idx [T]
+        output_tensor [T, out]: columns slice_offset .. slice_offset + slice_size - 1 are written
+    """
+    ### BEGIN SOLUTION
     slots = lora_indices_tensor.clamp(min=0)
     selected = lora_b_weights[slots].to(inputs.dtype)                 # [T, slice_size, rank]
     out = torch.bmm(selected, inputs.unsqueeze(-1)).squeeze(-1)        # [T, slice_size]
     out = out.masked_fill(lora_indices_tensor.unsqueeze(-1) < 0, 0).to(output_tensor.dtype)
-    target = output_tensor[:, slice_offset:slice_offset + slice_size]
+    target = output_tensor[:, slice_offset:slice_offset + slice_size]   # a view: writes land in y
     if add_inputs:
         target += out
     else:
         target.copy_(out)
+    ### END SOLUTION
 
 
 def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
