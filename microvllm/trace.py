@@ -76,6 +76,7 @@ class RequestStep:
     # newest token), and how many of them the target accepted (None: no drafts).
     num_draft_tokens: int = 0
     num_accepted_tokens: int | None = None
+    lora_name: str | None = None   # the LoRA adapter its tokens ran with (None: the base model)
 
 
 @dataclass

@@ -59,6 +59,7 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
     group_idx: int = 0            # the cache group (BlockHashWithGroupId's second half)
+    lora_name: str | None = None  # the adapter the blocks were computed under (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,8 @@ class BlockPool:
                 token_ids=request.all_token_ids[num_cached_blocks * block_size:num_full_blocks * block_size],
                 block_size=block_size,
                 group_idx=kv_cache_group_id,
+                lora_id=getattr(request, "lora_int_id", 0) or None,
+                lora_name=getattr(request, "lora_name", None),
             ))
 
     def evict_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -120,7 +120,7 @@ def to_wire(event: core_events.KVCacheEvent) -> BlockStored | BlockRemoved | All
             block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
             parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
             token_ids=list(event.token_ids), block_size=event.block_size, lora_id=event.lora_id,
-            medium=event.medium, lora_name=None, group_idx=event.group_idx)
+            medium=event.medium, lora_name=event.lora_name, group_idx=event.group_idx)
     if isinstance(event, core_events.BlockRemoved):
         return BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
                             medium=event.medium, group_idx=event.group_idx)

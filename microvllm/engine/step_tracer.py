@@ -77,7 +77,7 @@ class StepTracer:
                 num_computed_tokens_before=data.num_computed_tokens,
                 num_prompt_tokens=request.num_prompt_tokens,
                 prefix_hit_tokens=plan.num_prefix_hit_tokens.get(rid) if is_new else None,
-                is_new=is_new))
+                is_new=is_new, lora_name=getattr(request, "lora_name", None)))
         return scheduled
 
     def record(self, plan, scheduled: list[RequestStep], core_outputs, stopped: list[str],
