@@ -226,12 +226,11 @@ class ChatCompletionRequest(_SamplingFields):
         a ``strict`` tool: the tool parser's structural tag (free text, but a call the
         model starts must be a valid call of one of the tools)."""
         given = super().structured_outputs_params()
-        if given is None and self.parses_tool_calls() and self._tool_parser is not None:
-            functions = self.functions()
-            if any((tool.get("function") or {}).get("strict") is True for tool in self.tools or []):
-                tag = self._tool_parser.structural_tag(functions)
-                if tag is not None:
-                    return StructuredOutputsParams(structural_tag=tag)
+        if (given is None and self.parses_tool_calls() and self._tool_parser is not None
+                and any((tool.get("function") or {}).get("strict") is True for tool in self.tools or [])):
+            tag = self._tool_parser.structural_tag(self.functions())
+            if tag is not None:
+                return StructuredOutputsParams(structural_tag=tag)
         return given
 
     def _more_structured_outputs(self) -> dict[str, StructuredOutputsParams]:
