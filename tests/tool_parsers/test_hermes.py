@@ -11,27 +11,12 @@ from hypothesis import given, settings, strategies as st
 
 from microvllm.tool_parsers import ToolParserManager
 from microvllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+from tests.tool_parsers import deltas
 
 
 def stream(text: str, cuts: list[int]) -> tuple[str | None, list[tuple[str, str]], list]:
     """Feed ``text`` cut at ``cuts``; (content, [(name, arguments)], every delta)."""
-    parser = Hermes2ProToolParser()
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    deltas, previous = [], ""
-    for piece in pieces:
-        deltas.append(parser.extract_tool_calls_streaming(previous, previous + piece, piece))
-        previous += piece
-    deltas.append(parser.finish_streaming())
-    content, calls = "", {}
-    for delta in filter(None, deltas):
-        content += delta.content or ""
-        for call in delta.tool_calls:
-            if call.function.name is not None:
-                assert call.index not in calls and call.id and call.type == "function", call
-                calls[call.index] = [call.function.name, ""]
-            calls[call.index][1] += call.function.arguments or ""
-    assert sorted(calls) == list(range(len(calls)))
-    return content or None, [tuple(calls[i]) for i in range(len(calls))], deltas
+    return deltas.stream(Hermes2ProToolParser, text, cuts)
 
 
 def whole(text: str) -> tuple[str | None, list[tuple[str, str]]]:
