@@ -21,7 +21,9 @@ engine settings chosen so that a wrong component changes the tokens or a step's 
                    a block's worth of tokens resumes with a hit over prompt and output
     SAMPLED_RUN    one greedy prompt and five seeded ones, each with its own filter (top-k, top-p,
                    min-p, none, all three), then one prompt per filter with n=16 seeded samples at
-                   temperature 1 (192 draws each): a bug in one filter changes that prompt's tokens
+                   temperature 1 (192 draws each): a bug in one filter changes that prompt's tokens;
+                   enforce_eager=True, so that the draw is the learner's random_sample (a platform may
+                   swap in its own, platforms/cpu/sampling.py)
     MODEL_RUNNER_RUN  the greedy prompt and the five seeded ones of SAMPLED_RUN in blocks of 8, a budget of
                    8 tokens and 7 usable blocks: mixed steps, and requests preempted and resumed, whose
                    prompt + output tokens are recomputed in chunks (the rule for which rows sample)
@@ -92,7 +94,7 @@ MANY_DRAWS = (dict(temperature=1.0, top_k=5, seed=21, n=16), dict(temperature=1.
               dict(temperature=1.0, min_p=0.2, seed=23, n=16))
 SAMPLED_RUN = Workload("sampled", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable",
                                                     "Top-k keeps", "Top-p keeps", "Min-p keeps"),
-                       SAMPLED_PARAMS + MANY_DRAWS, (("max_num_batched_tokens", 32),))
+                       SAMPLED_PARAMS + MANY_DRAWS, (("max_num_batched_tokens", 32), ("enforce_eager", True)))
 # Requests resumed after preemption recompute prompt + output tokens in chunks of at most 8: a runner
 # that decides which rows sample by the prompt's length samples mid-chunk (or not at the end).
 MODEL_RUNNER_RUN = Workload("model runner", tuple(PROMPTS) + ("A short one", "Seeds make sampling repeatable"),
@@ -106,7 +108,8 @@ MODEL_RUNNER_RUN = Workload("model runner", tuple(PROMPTS) + ("A short one", "Se
 DETOKENIZER_RUN = Workload(
     "detokenizer", tuple(PROMPTS) + (PROMPTS[0],),
     ({"temperature": 0.0, "stop": ["ter("]}, {"temperature": 0.0, "min_tokens": 2, "stop": ["plan"]},
-     {"temperature": 1.0, "seed": 2}, GREEDY, {"temperature": 1.0, "seed": 1}))
+     {"temperature": 1.0, "seed": 2}, GREEDY, {"temperature": 1.0, "seed": 1}),
+    (("enforce_eager", True),))   # the seeded prompts' tokens are the plain draw's (see SAMPLED_RUN)
 STRUCTURED_PATTERNS = (r"[0-9]{3}-[0-9]{4}", r'\{"name": "[a-z]{1,8}", "age": [0-9]{1,2}\}', r"(yes|no|maybe)",
                        r"[A-Z][a-z]+( [a-z]+){1,4}\.", r"(0|[1-9][0-9]*)\.[0-9]{2} (EUR|USD)")
 STRUCTURED_RUN = Workload(

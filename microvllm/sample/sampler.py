@@ -8,6 +8,7 @@
                                       ├─> argmax ─────────────────────────> greedy rows
                                       └─> / temperature -> top_k -> top_p
                                           -> min_p -> softmax -> draw ────> random rows
+                                                              (RandomSample)
                                                                   │
     sampled_token_ids [num_reqs] <── where(row is greedy, greedy, random)
 
@@ -41,6 +42,23 @@ class Argmax(CustomOp):
         return logits.argmax(dim=-1)
 
 
+class RandomSample(CustomOp):
+    """The random rows' draw: one token per row of ``probs``. ``forward_native`` is the
+    draw it was built with (the Sampler's: ``random_sample``, the exponential race). A
+    ``CustomOp``: a platform may draw from the same distributions its own way (the CPU's
+    needs one random number per row instead of one per vocabulary entry,
+    ``platforms/cpu/sampling.py``); then a seed still fixes the tokens, but not the same
+    tokens as ``enforce_eager=True`` draws."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+
+    def forward_native(self, probs: torch.Tensor, generators: dict[int, torch.Generator],
+                       shared_generator: torch.Generator) -> torch.Tensor:
+        return self.draw(probs, generators, shared_generator)
+
+
 @dataclass(frozen=True)
 class SamplerOutput:
     sampled_token_ids: torch.Tensor              # [num_reqs] int64
@@ -58,6 +76,7 @@ class Sampler(nn.Module):
         super().__init__()
         self.generator = make_generator(seed, device)
         self.argmax = Argmax()
+        self.random_sample = RandomSample(random_sample)
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != sampling_metadata.num_reqs:
@@ -122,7 +141,7 @@ class Sampler(nn.Module):
         if sampling_metadata.min_p is not None:
             logits = apply_min_p(logits, sampling_metadata.min_p)
         probs = logits.softmax(dim=-1)
-        random_sampled = random_sample(probs, sampling_metadata.generators, self.generator)
+        random_sampled = self.random_sample(probs, sampling_metadata.generators, self.generator)
 
         if greedy_sampled is None:
             return random_sampled

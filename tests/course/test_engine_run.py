@@ -326,7 +326,7 @@ def test_the_detokenizer_workload_exercises_its_rules():
     from microvllm.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(str(tiny_model_folder("llama")))
-    reference = _reference(DETOKENIZER_RUN, {"max_model_len": 128}, 12, "llama")
+    reference = _reference(DETOKENIZER_RUN, {"max_model_len": 128, **dict(DETOKENIZER_RUN.settings)}, 12, "llama")
 
     def texts(rid):   # the text after each token
         ids = reference.tokens(rid)

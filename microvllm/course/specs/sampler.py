@@ -18,7 +18,7 @@ from microvllm.sample.logits_processors import apply_allowed_token_ids, apply_lo
 from microvllm.sample.logprobs import compute_logprobs, gather_logprobs
 from microvllm.sample.metadata import SamplingMetadata, make_generator
 from microvllm.sample.penalties import apply_min_tokens_penalty, apply_penalties
-from microvllm.sample.sampler import Argmax, SamplerOutput
+from microvllm.sample.sampler import Argmax, RandomSample, SamplerOutput
 from microvllm.sample.topk_topp_sampler import apply_min_p
 from microvllm.sampling_params import SAMPLING_EPS
 from microvllm.checks import check_sampler, run_engine_with
@@ -35,7 +35,7 @@ you write `sample`, which calls *your* three functions above.""")),
         "random_sample": "draw one token per row with the exponential race: argmax(probs / E), "
                          "E ~ Exponential(1) from the row's own generator if it has one",
         "Sampler.sample": "argmax for greedy rows; divide the others by their temperature, apply "
-                          "top-k, top-p, min-p, softmax, random_sample; pick per row",
+                          "top-k, top-p, min-p, softmax, self.random_sample; pick per row",
     },
     contract="""
 Every function works on the whole batch at once (`logits: [num_reqs, vocab]`, one parameter
@@ -52,7 +52,9 @@ value per row) and never modifies its input:
 - `Sampler.sample(logits, metadata)`: rows with `temperature < SAMPLING_EPS` are greedy
   (`self.argmax(logits)`: `logits.argmax(-1)` exactly, as Hugging Face); the others are divided by their temperature,
   filtered by top-k, top-p, then min-p (each only if its tensor in `metadata` is not None),
-  softmaxed and drawn with `random_sample(probs, metadata.generators, self.generator)`; use
+  softmaxed and drawn with `self.random_sample(probs, metadata.generators, self.generator)` (the op
+  `__init__` builds around your `random_sample`: it runs your function; a platform may swap in a
+  faster draw, so the engine cell below runs with `enforce_eager=True`); use
   `metadata.all_greedy` / `all_random` to skip work.
 """,
     hints=(

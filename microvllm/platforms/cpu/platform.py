@@ -17,20 +17,21 @@ from microvllm.layers.custom_op import CustomOp
 from microvllm.layers.layernorm import RMSNorm
 from microvllm.layers.linear import Linear
 from microvllm.layers.rotary_embedding import ApplyRotaryEmb
-from microvllm.platforms.cpu import decode_fast_path, kernels, ops, quantized_gemm
+from microvllm.platforms.cpu import decode_fast_path, kernels, ops, quantized_gemm, sampling
 from microvllm.platforms.cpu.gemm import PackedLinear
 from microvllm.platforms.interface import Platform
-from microvllm.sample.sampler import Argmax
+from microvllm.sample.sampler import Argmax, RandomSample
 
 logger = logging.getLogger(__name__)
 
-# op class -> (its CPU version, the kernel library it needs); the GEMM needs none of its
-# own: PackedGemm falls back to oneDNN or F.linear per weight.
+# op class -> (its CPU version, the kernel library it needs, None: plain torch); the GEMM
+# needs none of its own: PackedGemm falls back to oneDNN or F.linear per weight.
 _OPS = {
-    RMSNorm: ("rms_norm_forward", "norm_rope"),
-    ApplyRotaryEmb: ("rope_forward", "norm_rope"),
-    SiluAndMul: ("silu_and_mul_forward", "activation"),
-    Argmax: ("argmax_forward", "argmax"),
+    RMSNorm: (ops.rms_norm_forward, "norm_rope"),
+    ApplyRotaryEmb: (ops.rope_forward, "norm_rope"),
+    SiluAndMul: (ops.silu_and_mul_forward, "activation"),
+    Argmax: (ops.argmax_forward, "argmax"),
+    RandomSample: (sampling.random_sample_forward, None),
 }
 
 
@@ -65,9 +66,9 @@ class CpuPlatform(Platform):
             return PackedLinear(op)
         for cls, (version, library) in _OPS.items():
             if isinstance(op, cls):
-                if kernels.status(library) is not None:
+                if library is not None and kernels.status(library) is not None:
                     return None
-                return functools.partial(getattr(ops, version), op)
+                return functools.partial(version, op)
         return None
 
     def build_decode_step_runner(self, model: nn.Module, **limits) -> Callable | None:
