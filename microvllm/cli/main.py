@@ -8,6 +8,7 @@
     microvllm bench serve --port 8000 --request-rate 4      load test a running server
     microvllm bench hostile                 what hostile requests cost a server's other clients
     microvllm bench targets                 the engine built for each CPU target (native, avx2, portable)
+    microvllm bench vs-vllm --vllm-python P real vLLM (installed in its own environment) side by side
     microvllm collect-env                   this machine: CPU units, kernel target, each kernel, each op's route
     microvllm --version
 
@@ -54,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: bench throughput | bench serve | bench structured | "
                                          "bench hostile | bench targets | bench attention | bench gpu | "
                                          "bench router | bench hybrid | bench kv-tier | bench pd | "
-                                         "bench async-scheduling")
+                                         "bench async-scheduling | bench vs-vllm")
     which = bench.add_subparsers(dest="bench", required=True,
                                  metavar="{throughput,serve,structured,hostile,targets,attention,gpu,router,hybrid,"
-                                         "kv-tier,pd,async-scheduling}")
+                                         "kv-tier,pd,async-scheduling,vs-vllm}")
     # Listed here for the help; main() hands the line to their own parsers.
     for name, text in (("throughput", "offline throughput against Hugging Face, and the machine's limits"),
                        ("serve", "load a running server: Poisson arrivals, TTFT / TPOT / ITL"),
@@ -70,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("hybrid", "prefix caching on a hybrid model, with and without state snapshots"),
                        ("kv-tier", "prefix hits and TTFT with and without a second KV tier"),
                        ("pd", "a decode stream's ITL under a prompt flood: colocated vs prefill/decode split"),
-                       ("async-scheduling", "offline decode with async scheduling off and on, side by side")):
+                       ("async-scheduling", "offline decode with async scheduling off and on, side by side"),
+                       ("vs-vllm", "real vLLM (its own environment) side by side: offline and served, "
+                                   "tokens compared")):
         one = which.add_parser(name, help=text, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return collect_env_main(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] in (["throughput"], ["serve"], ["structured"], ["hostile"], ["targets"],
                                                  ["attention"], ["gpu"], ["router"], ["hybrid"], ["kv-tier"],
-                                                 ["pd"], ["async-scheduling"]):
+                                                 ["pd"], ["async-scheduling"], ["vs-vllm"]):
         if argv[1] == "throughput" and _workload(argv[2:]) == "quantization":   # bench/quantized.py
             from microvllm.bench.quantized import main as bench_main
         elif argv[1] == "throughput" and _workload(argv[2:]) == "moe":   # its own options
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             from microvllm.bench.pd import main as bench_main
         elif argv[1] == "async-scheduling":
             from microvllm.bench.async_scheduling import main as bench_main
+        elif argv[1] == "vs-vllm":
+            from microvllm.bench.vs_vllm import main as bench_main
         elif argv[1] == "gpu":
             from microvllm.bench.gpu import main as bench_main
         elif argv[1] == "structured":

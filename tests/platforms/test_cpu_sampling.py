@@ -51,6 +51,20 @@ def test_a_zero_probability_token_never_wins_even_at_the_edges():
     assert inverse_cdf_sample(one_hot, {}, torch.Generator().manual_seed(0)).tolist() == [0, 5, 2]
 
 
+@pytest.mark.parametrize("vocab", [512, 1000, 49152])   # whole chunks of 256; a shorter last one
+def test_the_two_level_search_finds_tokens_at_every_chunk_edge(vocab):
+    winners = [0, 255, 256, 511, vocab - 1]
+    one_hot = torch.zeros(len(winners), vocab)
+    one_hot[torch.arange(len(winners)), winners] = 1.0
+    assert inverse_cdf_sample(one_hot, {}, torch.Generator().manual_seed(0)).tolist() == winners
+    # Two tokens on either side of a chunk edge, half the mass each: both win, nothing else does.
+    pair = torch.zeros(DRAWS, vocab)
+    pair[:, 255] = pair[:, 256] = 0.5
+    drawn = inverse_cdf_sample(pair, {}, torch.Generator().manual_seed(1))
+    assert set(drawn.tolist()) == {255, 256}
+    assert abs((drawn == 255).double().mean().item() - 0.5) < 5 * (0.25 / DRAWS) ** 0.5
+
+
 def test_a_seeded_row_draws_the_same_tokens_alone_and_anywhere_in_a_batch(request):
     g = torch.Generator().manual_seed(seed_for(request.node.name))
     probs = torch.randn(5, 300, generator=g).softmax(-1)
