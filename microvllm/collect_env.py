@@ -100,10 +100,13 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
     onednn = gemm.packing_available()
     if vec:
         f32 = f"rows 1-{gemm.VEC_MAX_ROWS}: vec_linear; " + (
-            f"to {gemm.FLOAT32_MAX_ROWS}: oneDNN; more: F.linear" if onednn else "more: F.linear")
+            (f"to {gemm.float32_max_rows()}: oneDNN; more: F.linear" if gemm.float32_max_rows() else "more: oneDNN")
+            if onednn else "more: F.linear")
     else:
-        f32 = (f"rows {gemm.FLOAT32_MIN_ROWS}-{gemm.FLOAT32_MAX_ROWS}: oneDNN; others: F.linear"
-               if onednn and gemm.float32_onednn_pays() else "F.linear")
+        top = gemm.float32_max_rows()
+        f32 = (f"rows {gemm.FLOAT32_MIN_ROWS}-{top}: oneDNN; others: F.linear" if top else
+               f"rows {gemm.FLOAT32_MIN_ROWS} on: oneDNN; fewer: F.linear") if onednn and gemm.float32_onednn_pays() \
+            else "F.linear"
     bf16 = (f"rows 1-{gemm.AMX_MAX_ROWS}: AMX; " if ok["amx_linear"] else "") + \
         ("oneDNN" if onednn else "F.linear")
     routes = [

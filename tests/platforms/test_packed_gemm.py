@@ -9,11 +9,11 @@ from microvllm.layers.linear import Linear
 from microvllm.platforms.cpu import gemm_kernels
 from microvllm.platforms.cpu.gemm import (
     AMX_MAX_ROWS,
-    FLOAT32_MAX_ROWS,
     FLOAT32_MIN_ROWS,
     VEC_MAX_ROWS,
     PackedGemm,
     PackedLinear,
+    float32_max_rows,
     packing_available,
 )
 from tests.platforms.conftest import on_cpu_platform
@@ -34,10 +34,22 @@ def test_matches_f_linear(dtype, rows, bias):
         chosen = layer._forward_method.gemm._choose(x, layer.weight, layer.bias)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **TOL[dtype])
     onednn = packing_available() and (dtype == torch.bfloat16
-                                      or FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS)
+                                      or FLOAT32_MIN_ROWS <= rows <= (float32_max_rows() or rows))
     vec = dtype == torch.float32 and rows <= VEC_MAX_ROWS and gemm_kernels.vec_supports(layer.weight)
     amx = dtype == torch.bfloat16 and rows <= AMX_MAX_ROWS and gemm_kernels.amx_supports(layer.weight)
     assert chosen == ("vec" if vec else "amx" if amx else "onednn" if onednn else None)
+
+
+def test_the_float32_bound_holds_where_mkl_runs_on_intel_and_nowhere_else_on_x86(monkeypatch):
+    from microvllm.platforms.cpu import gemm, kernels
+
+    monkeypatch.setattr(kernels, "machine", lambda: "x86_64")
+    for vendor, bound in (("GenuineIntel", gemm.FLOAT32_MAX_ROWS), ("AuthenticAMD", None),
+                          ("", gemm.FLOAT32_MAX_ROWS)):
+        monkeypatch.setattr(gemm, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert float32_max_rows() == bound, vendor
+    monkeypatch.setattr(kernels, "machine", lambda: "aarch64")
+    assert float32_max_rows() == gemm.FLOAT32_MAX_ROWS
 
 
 def test_keeps_leading_dims():

@@ -18,12 +18,13 @@ own kernels (``gemm_kernels.py``) where the CPU has their instructions. Each cal
 by dtype and row count (notebook 11 measures why these bounds)::
 
     rows per call                     1-2        3-32       33-64      65-256     >256
-    float32, AVX-512 / AVX2 / NEON    vec        vec        vec        oneDNN     F.linear
-    float32 elsewhere                 F.linear   oneDNN     oneDNN     oneDNN     F.linear
+    float32, AVX-512 / AVX2 / NEON    vec        vec        vec        oneDNN     F.linear *
+    float32 elsewhere                 F.linear   oneDNN     oneDNN     oneDNN     F.linear *
     float32, x86 torch below AVX2     F.linear   F.linear   F.linear   F.linear   F.linear
     bfloat16, AMX CPU                 AMX        AMX        oneDNN     oneDNN     oneDNN
     bfloat16 elsewhere                oneDNN     oneDNN     oneDNN     oneDNN     oneDNN
 
+(* oneDNN on x86 CPUs not made by Intel: F.linear is MKL there, ``float32_max_rows``.)
 A weight's packs are all made at load time: one more copy of the weights, for never
 being slower. On any other device or dtype, with autograd on, or where oneDNN is
 missing, ``F.linear`` runs: the same result up to float rounding (~1e-6 relative in
@@ -32,14 +33,17 @@ float32; bfloat16 measured bit-identical).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from microvllm.platforms.cpu import gemm_kernels, kernels
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# float32 inputs with fewer or more rows than these use F.linear, if not the
-# vector kernel (see above).
+# float32 inputs with fewer rows than this use F.linear, if not the vector kernel (see above);
+# and with more rows than FLOAT32_MAX_ROWS, where F.linear's MKL runs on its own vendor's CPU
+# (``float32_max_rows``).
 FLOAT32_MIN_ROWS, FLOAT32_MAX_ROWS = 3, 256
 # Inputs with at most this many rows use our kernels, where they are usable.
 AMX_MAX_ROWS = 32          # bfloat16
@@ -57,6 +61,31 @@ def packing_available() -> bool:
 
 
 _AVAILABLE = packing_available()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """``GenuineIntel``, ``AuthenticAMD``, ... (x86 Linux's /proc/cpuinfo); "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def float32_max_rows() -> int | None:
+    """The most rows a float32 input sends to oneDNN's pack; None: no bound. Above it
+    F.linear runs, which is Intel's MKL for float32 on x86. Measured with SmolLM2's
+    projections, 2 threads: on a Sapphire Rapids Xeon MKL beat oneDNN's pack above 256
+    rows; on an AMD EPYC (Zen 4, AVX-512) oneDNN's pack was the faster at every row count,
+    218 against 190 GFLOP/s from 512 to 2,048 rows (prefill chunks). So the bound stays
+    only where MKL is on its own vendor's CPU, and wherever the vendor is not known."""
+    if kernels.machine() == "x86_64" and cpu_vendor() not in ("GenuineIntel", ""):
+        return None
+    return FLOAT32_MAX_ROWS
 
 
 def float32_onednn_pays() -> bool:
@@ -130,7 +159,7 @@ class PackedGemm:
             return "amx"
         if "vec" in kinds and rows <= VEC_MAX_ROWS:
             return "vec"
-        if weight.dtype == torch.float32 and not FLOAT32_MIN_ROWS <= rows <= FLOAT32_MAX_ROWS:
+        if weight.dtype == torch.float32 and (rows < FLOAT32_MIN_ROWS or rows > (float32_max_rows() or rows)):
             return None
         return "onednn" if "onednn" in kinds else None
 
