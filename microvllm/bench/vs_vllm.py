@@ -215,14 +215,14 @@ def server_command(engine: str, args, dtype: str, port: int) -> list[str]:
             "--host", "127.0.0.1", "--dtype", dtype, *args.vllm_args]
 
 
-def bench_serve(args, base_url: str, name: str, rate: str, workdir: Path) -> ServeResult:
+def bench_serve(args, base_url: str, name: str, rate: str, seed: int, workdir: Path) -> ServeResult:
     """``vllm bench serve`` against one server, its result read back from its JSON."""
     result = workdir / f"bench-{time.monotonic_ns()}.json"
     command = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
                "--base-url", base_url, "--model", args.model, "--served-model-name", name,
                "--dataset-name", "random", "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-               "--request-rate", rate, "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl",
+               "--request-rate", rate, "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
                "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(workdir),
                "--result-filename", result.name, "--disable-tqdm", *args.bench_args]
     done = subprocess.run(command, env=child_env("vllm", args.threads), capture_output=True, text=True,
@@ -243,7 +243,10 @@ def run_served(engine: str, args, dtype: str, workdir: Path) -> dict[str, ServeR
     try:
         base_url = f"http://127.0.0.1:{port}"
         name = served_model(base_url, time.monotonic() + args.timeout, server, log)
-        return {rate: bench_serve(args, base_url, name, rate, workdir) for rate in args.rates}
+        # Each rate its own prompts (seed + index): the server's prefix cache keeps the last
+        # run's, and the same prompts again would be served from it.
+        return {rate: bench_serve(args, base_url, name, rate, args.seed + index, workdir)
+                for index, rate in enumerate(args.rates)}
     finally:
         stop(server)
 
