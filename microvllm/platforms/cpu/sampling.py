@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import torch
 
-
 CHUNK = 256   # vocabulary entries per chunk of the two-level search
 
 
