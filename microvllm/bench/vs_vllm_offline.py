@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import time
@@ -67,6 +68,36 @@ def run_vllm(args):
     return generate
 
 
+def tree_peak_rss_mb() -> float:
+    """Peak resident memory of this process and of every process under it that is still
+    alive (vLLM's engine core runs in a child process): the sum of their peaks (Linux's
+    VmHWM; an upper bound, the peaks need not coincide). Elsewhere: this process's own."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    proc = Path("/proc")
+    if not (proc / "self" / "status").exists():
+        return own
+    parents: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:   # the fields after the ")" that ends the command name: state, ppid, ...
+                parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, grew = {os.getpid()}, True
+    while grew:
+        below = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= below
+        grew = bool(below)
+    total_kb = 0
+    for pid in tree:
+        try:
+            status = (proc / str(pid) / "status").read_text()
+        except OSError:
+            continue
+        total_kb += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    return max(total_kb / 1024, own)
+
+
 def run(args) -> dict:
     vocab = vocab_size(args.model)
     prompts = prompt_ids(args.batch, args.input_len, args.seed, vocab)
@@ -79,7 +110,7 @@ def run(args) -> dict:
     generated = sum(len(t) for t in token_ids)
     return {"engine": args.engine, "dtype": args.dtype, "batch": args.batch, "seconds": seconds,
             "output_tokens": generated, "tok_s": generated / seconds, "start_s": ready_s,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": tree_peak_rss_mb(),
             "token_ids": token_ids}
 
 

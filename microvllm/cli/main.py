@@ -150,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"microvllm: error: `microvllm serve` needs {' and '.join(missing)}, which "
                            "come with the `serve` extra: pip install 'microvllm[serve]' (in a clone: "
                            "pip install -e '.[serve]')\n")
+        from microvllm.cli.serve import size_cpu_token_budget
         from microvllm.entrypoints.openai.api_server import run_server
+
+        _without_traceback(parser, size_cpu_token_budget, args)
         return _without_traceback(parser, run_server, args)
     return _without_traceback(parser, _generate, args)
 

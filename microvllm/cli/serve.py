@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 
 SERVE_DEPENDENCIES = ("fastapi", "uvicorn")
+logger = logging.getLogger(__name__)
 
 
 def missing_serve_dependencies() -> list[str]:
@@ -62,3 +64,41 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "the connection is closed (default: %(default)s)")
     EngineArgs.add_cli_args(parser.add_argument_group("engine arguments"))
     return parser
+
+
+def size_cpu_token_budget(args: argparse.Namespace) -> None:
+    """A server on a CPU with no ``--max-num-batched-tokens`` gets a budget sized from this
+    machine's measured GEMM rate and the model's FLOPs per token
+    (``bench/roofline.py``, ``serving_token_budget``: about half a second of projections
+    per step), not ``LLM``'s fixed 1024. vLLM, too, gives its API server other defaults
+    than its ``LLM`` class (on a CPU: 2048 and 4096 tokens)."""
+    from microvllm.engine.arg_utils import EngineArgs
+    from microvllm.models.hub import resolve_model_path
+    from microvllm.platforms import get_platform
+
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.model_tag is not None:
+        engine_args.model = args.model_tag
+    if engine_args.max_num_batched_tokens is not None or not engine_args.enable_chunked_prefill:
+        return
+    platform = get_platform(engine_args.device)
+    if str(platform.device) != "cpu":
+        return
+    import torch
+
+    from microvllm.bench.roofline import ModelCost, matmul_rate, serving_token_budget
+
+    dtype = getattr(torch, platform.resolve_dtype(engine_args.dtype))
+    try:
+        cost = ModelCost.from_folder(resolve_model_path(engine_args.model), dtype)
+    except (OSError, KeyError, ValueError) as error:   # GGUF weights, an unusual folder: the default
+        logger.info("max_num_batched_tokens: the engine's default (not sized from the model: %s)", error)
+        return
+    if cost.body_params == 0:   # no safetensors weights to count (GGUF): the default
+        logger.info("max_num_batched_tokens: the engine's default (no safetensors weights to size it from)")
+        return
+    rate = matmul_rate(dtype, n=1024, repeats=3)
+    args.max_num_batched_tokens = serving_token_budget(cost, rate)
+    logger.info("max_num_batched_tokens=%d: about half a second of projections per step on this CPU "
+                "(%.0f GFLOP/s measured, %.2f GFLOP per token); --max-num-batched-tokens sets it",
+                args.max_num_batched_tokens, rate / 1e9, 2 * cost.body_params / 1e9)
