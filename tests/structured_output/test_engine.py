@@ -126,7 +126,7 @@ def test_every_output_is_json_that_validates_against_its_schema(engines, arch, s
 @pytest.mark.xfail(strict=True, reason="xgrammar decodes UTF-8 leniently: it takes ED BF AF (U+DFEF, a UTF-16 "
                    "surrogate, invalid in UTF-8) as one character of a string, and the tokenizer's decode "
                    "gives three U+FFFD for it, so a maxLength 1 string comes out 3 characters long")
-def test_xgrammar_takes_a_surrogates_three_bytes_as_one_character(engines):
+def test_xgrammar_takes_a_surrogates_three_bytes_as_one_character(folders):
     """Found by the property test above (qwen3's byte-level tokens 'í', '¿', '¯' are the bytes
     ED, BF, AF). Strict xfail: when xgrammar (or a mask of ours) refuses surrogates, this
     passes and must become a plain test."""
@@ -134,7 +134,9 @@ def test_xgrammar_takes_a_surrogates_three_bytes_as_one_character(engines):
                                                "ok": {"type": "string", "enum": ["a", "bb"]},
                                                "name": {"type": "string", "maxLength": 1}},
               "required": ["id", "ok", "name"], "additionalProperties": False}
-    out = engines[("qwen3", "xgrammar")].generate(["{"], SamplingParams(
+    # enforce_eager: the sampler's plain draw, which drew the surrogate from this seed.
+    llm = LLM(folders["qwen3"], structured_outputs_backend="xgrammar", enforce_eager=True, **SETTINGS)
+    out = llm.generate(["{"], SamplingParams(
         temperature=1.0, seed=1, max_tokens=200,
         structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True)), use_tqdm=False)
     jsonschema.validate(json.loads(out[0].outputs[0].text), schema)
