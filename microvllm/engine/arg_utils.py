@@ -157,7 +157,8 @@ class EngineArgs:
         "on CUDA: the fraction of free GPU memory the engine may use (default 0.9); on a CPU: "
         "the fraction of kv_cache_memory_bytes (1 GiB by default) the KV cache may use"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_cli(
-        "token budget of one engine step (default: 1024 with chunked prefill, else max_model_len)"))
+        "token budget of one engine step (default: 1024 with chunked prefill, else max_model_len; "
+        "`microvllm serve` on a CPU sizes it from the machine: about half a second of projections)"))
     max_num_seqs: int = field(default=64, metadata=_cli("most requests in one step"))
     enable_prefix_caching: bool = field(default=True, metadata=_cli("reuse the KV of shared prompt prefixes"))
     enable_chunked_prefill: bool = field(default=True, metadata=_cli(
@@ -259,7 +260,8 @@ class EngineArgs:
             device                   cuda where a GPU is present, else cpu
             attention_backend        the platform's default
             max_model_len            the model's max_position_embeddings
-            max_num_batched_tokens   1024 with chunked prefill, else max_model_len
+            max_num_batched_tokens   1024 with chunked prefill, else max_model_len (a server
+                                     on a CPU sizes its own: cli/serve.py)
             gpu_memory_utilization   the platform's KV budget (Platform.kv_cache_budget)
         """
         self._validate()
