@@ -98,12 +98,11 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
     quantized = quantized_gemm.status() is None
     layer_loop = all(ok[n] for n in ("norm_rope", "activation", "paged_attention", "decode_layers"))
     onednn = gemm.packing_available()
+    top = gemm.float32_max_rows()
     if vec:
         f32 = f"rows 1-{gemm.VEC_MAX_ROWS}: vec_linear; " + (
-            (f"to {gemm.float32_max_rows()}: oneDNN; more: F.linear" if gemm.float32_max_rows() else "more: oneDNN")
-            if onednn else "more: F.linear")
+            (f"to {top}: oneDNN; more: F.linear" if top else "more: oneDNN") if onednn else "more: F.linear")
     else:
-        top = gemm.float32_max_rows()
         f32 = (f"rows {gemm.FLOAT32_MIN_ROWS}-{top}: oneDNN; others: F.linear" if top else
                f"rows {gemm.FLOAT32_MIN_ROWS} on: oneDNN; fewer: F.linear") if onednn and gemm.float32_onednn_pays() \
             else "F.linear"

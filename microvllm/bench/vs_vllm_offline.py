@@ -42,22 +42,13 @@ def vocab_size(model: str) -> int:
     return int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
 
 
-def run_microvllm(args):
-    from microvllm import LLM, SamplingParams
-
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, seed=args.seed,
-              max_model_len=args.input_len + args.output_len + 16)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-
-    def generate(batch):
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-    return generate
-
-
-def run_vllm(args):
-    from vllm import LLM, SamplingParams
-
+def load_engine(args):
+    """``args.engine``'s LLM, built alike for both (the two share the offline API); a
+    function that generates greedily from token-id prompts and returns the output ids."""
+    if args.engine == "microvllm":
+        from microvllm import LLM, SamplingParams
+    else:
+        from vllm import LLM, SamplingParams
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.batch, seed=args.seed,
               max_model_len=args.input_len + args.output_len + 16)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -101,7 +92,7 @@ def tree_peak_rss_mb() -> float:
 def run(args) -> dict:
     vocab = vocab_size(args.model)
     prompts = prompt_ids(args.batch, args.input_len, args.seed, vocab)
-    generate = (run_microvllm if args.engine == "microvllm" else run_vllm)(args)
+    generate = load_engine(args)
     ready_s = time.perf_counter() - START
     generate(prompt_ids(min(args.batch, 2), 16, args.seed + 1, vocab))   # warm-up, untimed
     begin = time.perf_counter()

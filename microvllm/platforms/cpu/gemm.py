@@ -88,6 +88,13 @@ def float32_max_rows() -> int | None:
     return FLOAT32_MAX_ROWS
 
 
+@functools.lru_cache(maxsize=None)
+def _float32_bound() -> int | None:
+    """``float32_max_rows``, decided once per process: ``_choose`` runs for every projection
+    of every step."""
+    return float32_max_rows()
+
+
 def float32_onednn_pays() -> bool:
     """Whether oneDNN's packed float32 GEMM is used at all here. The bounds above were
     measured with torch at AVX2 or better; on x86 with torch's kernels below AVX2 (a CPU
@@ -159,7 +166,7 @@ class PackedGemm:
             return "amx"
         if "vec" in kinds and rows <= VEC_MAX_ROWS:
             return "vec"
-        if weight.dtype == torch.float32 and (rows < FLOAT32_MIN_ROWS or rows > (float32_max_rows() or rows)):
+        if weight.dtype == torch.float32 and (rows < FLOAT32_MIN_ROWS or rows > (_float32_bound() or rows)):
             return None
         return "onednn" if "onednn" in kinds else None
 
