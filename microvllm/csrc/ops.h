@@ -30,6 +30,10 @@ int amx_init();
 void amx_linear(const void* x, const void* packed, const void* bias, void* y, int M, int N, int K);
 int vec_linear_panel();
 void vec_linear(const void* x, const void* packed, const void* bias, void* y, int M, int N, int K);
+// dpbf16_linear.cpp (bfloat16, AVX512-BF16's vdpbf16ps without AMX): the same signature, W in
+// panels of 48 columns (dpbf16_linear_panel; 0 where the build has no AVX512-BF16).
+int dpbf16_linear_panel();
+void dpbf16_linear(const void* x, const void* packed, const void* bias, void* y, int M, int N, int K);
 
 // quantized_linear.cpp: y [M, N] = x [M, K] @ W.T (+ bias), float32 x and y, W as stored:
 // GGUF Q4_1 or Q8_0 rows of blocks, or int8 rows with float32 scales; dequantize_rows

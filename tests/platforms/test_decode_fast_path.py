@@ -16,11 +16,12 @@ from tests.engine.conftest import varied_prompts
 from tests.platforms.test_vec_linear import VEC_MARKS
 
 # The fast path runs each dtype's projections through that dtype's decode kernel: AMX
-# tiles for bfloat16; for float32 the vector kernel, on every target with a vector unit
-# (AVX-512, AVX2, NEON), where a build that fails fails these tests (VEC_MARKS).
-AMX_MISSING = cpu_kernels.amx_status()
-DTYPES = [pytest.param("bfloat16", marks=pytest.mark.skipif(AMX_MISSING is not None,
-                                                            reason=f"bfloat16 decode kernel: {AMX_MISSING}")),
+# tiles for bfloat16, or vdpbf16ps panels on an AVX512-BF16 CPU without AMX; for float32
+# the vector kernel, on every target with a vector unit (AVX-512, AVX2, NEON), where a
+# build that fails fails these tests (VEC_MARKS).
+BF16_MISSING = (cpu_kernels.amx_status() and cpu_kernels.dpbf16_status())   # None: one of them runs
+DTYPES = [pytest.param("bfloat16", marks=pytest.mark.skipif(BF16_MISSING is not None,
+                                                            reason=f"bfloat16 decode kernel: {BF16_MISSING}")),
           pytest.param("float32", marks=VEC_MARKS)]
 
 

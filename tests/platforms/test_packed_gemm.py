@@ -9,6 +9,7 @@ from microvllm.layers.linear import Linear
 from microvllm.platforms.cpu import gemm_kernels
 from microvllm.platforms.cpu.gemm import (
     AMX_MAX_ROWS,
+    DPBF16_MAX_ROWS,
     FLOAT32_MIN_ROWS,
     VEC_MAX_ROWS,
     PackedGemm,
@@ -37,7 +38,9 @@ def test_matches_f_linear(dtype, rows, bias):
                                       or FLOAT32_MIN_ROWS <= rows <= (float32_max_rows() or rows))
     vec = dtype == torch.float32 and rows <= VEC_MAX_ROWS and gemm_kernels.vec_supports(layer.weight)
     amx = dtype == torch.bfloat16 and rows <= AMX_MAX_ROWS and gemm_kernels.amx_supports(layer.weight)
-    assert chosen == ("vec" if vec else "amx" if amx else "onednn" if onednn else None)
+    dpbf16 = (dtype == torch.bfloat16 and rows <= DPBF16_MAX_ROWS and not gemm_kernels.amx_supports(layer.weight)
+              and gemm_kernels.dpbf16_supports(layer.weight))
+    assert chosen == ("vec" if vec else "amx" if amx else "dpbf16" if dpbf16 else "onednn" if onednn else None)
 
 
 def test_the_float32_bound_holds_where_mkl_runs_on_intel_and_nowhere_else_on_x86(monkeypatch):

@@ -41,8 +41,8 @@ off. (Python calling the same C functions through ctypes spends ~15 us per call 
 arguments; hence a C loop. Notebook 11 measures the step with it on and off.)
 
 It applies to decode-only steps (every request computes one token) of up to
-``AMX_MAX_ROWS`` (bfloat16) or ``VEC_MAX_ROWS`` (float32) requests, on a CPU whose
-projections have those kernels (or, for quantized weights, all of one format with a kernel
+``AMX_MAX_ROWS`` or ``DPBF16_MAX_ROWS`` (bfloat16: AMX, or AVX512-BF16 without it) or
+``VEC_MAX_ROWS`` (float32) requests, on a CPU whose projections have those kernels (or, for quantized weights, all of one format with a kernel
 in ``quantized_linear.cpp``: GGUF Q4_1 or Q8_0, int8, up to ``MAX_FUSED_ROWS`` requests), with
 the ``cpu`` attention backend, for Llama and Mistral layers (not Qwen3's per-head norms,
 nor mixtures of experts).
@@ -60,11 +60,17 @@ from microvllm.distributed import get_tensor_model_parallel_world_size
 from microvllm.layers.linear import Linear
 from microvllm.platforms.cpu import attention as attention_kernels, kernels, quantized_gemm
 from microvllm.platforms.cpu.attention_backend import CPUAttentionBackend
-from microvllm.platforms.cpu.gemm import AMX_MAX_ROWS, VEC_MAX_ROWS, PackedGemm, PackedLinear, tensor_version
+from microvllm.platforms.cpu.gemm import (AMX_MAX_ROWS, DPBF16_MAX_ROWS, VEC_MAX_ROWS, PackedGemm, PackedLinear,
+                                          tensor_version)
 from microvllm.platforms.cpu.kernels import DTYPE_CODES
 
-# dtype -> (the PackedGemm pack whose kernel runs the projections, most rows it takes)
-GEMM_KERNELS = {torch.bfloat16: ("amx", AMX_MAX_ROWS), torch.float32: ("vec", VEC_MAX_ROWS)}
+# dtype -> the PackedGemm packs whose kernel can run the projections, in order of preference,
+# with the most rows each takes (the first that the weights have here is used)
+GEMM_KERNELS = {torch.bfloat16: (("amx", AMX_MAX_ROWS), ("dpbf16", DPBF16_MAX_ROWS)),
+                torch.float32: (("vec", VEC_MAX_ROWS),)}
+# PackedGemm kind -> (its library, the C function)
+FLOAT_GEMMS = {"amx": ("amx_linear", "amx_linear"), "dpbf16": ("dpbf16_linear", "dpbf16_linear"),
+               "vec": ("vec_linear", "vec_linear")}
 # Quantized projections (layers/quantization/): weight format -> the C function that runs
 # them, on the weights as stored (float32 activations; its signature is the GEMM's: for int8
 # the "packed weight" is a pair of pointers, the int8 rows and their scales).
@@ -150,12 +156,16 @@ def unsupported_reason(model) -> str | None:
 
 
 def gemm_kind(model) -> str | None:
-    """What runs the layers' projections: a ``PackedGemm`` kind ("amx", "vec") for float
+    """What runs the layers' projections: a ``PackedGemm`` kind ("amx", "dpbf16", "vec") for float
     weights, the C function of a quantized format, or None if the projections mix formats."""
     formats = {quantized_gemm.weight_format(linear) if linear.quant_method is not None else "float"
                for layer in model.layers for linear in _projections(layer)}
     if formats == {"float"}:
-        return GEMM_KERNELS.get(model.norm.weight.dtype, (None,))[0]
+        choices = [kind for kind, _ in GEMM_KERNELS.get(model.norm.weight.dtype, ())]
+        linear = model.layers[0].self_attn.qkv_proj
+        gemm = packed_gemm(linear)
+        here = gemm.packings(linear.weight) if gemm is not None else []
+        return next((kind for kind in choices if kind in here), choices[0] if choices else None)
     return QUANTIZED_GEMMS.get(formats.pop()) if len(formats) == 1 else None
 
 
@@ -186,7 +196,8 @@ class DecodeFastPath:
         self.dtype = model.norm.weight.dtype
         self.kind = gemm_kind(model)
         self.quantized = self.kind in QUANTIZED_GEMMS.values()
-        self.max_rows = quantized_gemm.MAX_FUSED_ROWS if self.quantized else GEMM_KERNELS[self.dtype][1]
+        self.max_rows = (quantized_gemm.MAX_FUSED_ROWS if self.quantized
+                         else dict(GEMM_KERNELS[self.dtype])[self.kind])
         first = model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden = model.config.hidden_size
@@ -194,8 +205,8 @@ class DecodeFastPath:
         if self.quantized:
             gemm = getattr(kernels.load("quantized_linear"), self.kind)
         else:
-            gemm = (kernels.load("amx_linear").amx_linear if self.kind == "amx"
-                    else kernels.load("vec_linear").vec_linear)
+            library, function = FLOAT_GEMMS[self.kind]
+            gemm = getattr(kernels.load(library), function)
         norm_rope, attention = kernels.load("norm_rope"), kernels.load("paged_attention")
         # The C functions the modules' CPU versions call, as function pointers.
         self.kernels = Kernels(

@@ -22,6 +22,7 @@ by dtype and row count (notebook 11 measures why these bounds)::
     float32 elsewhere                 F.linear   oneDNN     oneDNN     oneDNN     F.linear *
     float32, x86 torch below AVX2     F.linear   F.linear   F.linear   F.linear   F.linear
     bfloat16, AMX CPU                 AMX        AMX        oneDNN     oneDNN     oneDNN
+    bfloat16, AVX512-BF16, no AMX     dpbf16     dpbf16     dpbf16     oneDNN     oneDNN
     bfloat16 elsewhere                oneDNN     oneDNN     oneDNN     oneDNN     oneDNN
 
 (* oneDNN on x86 CPUs not made by Intel: F.linear is MKL there, ``float32_max_rows``.)
@@ -47,6 +48,10 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 FLOAT32_MIN_ROWS, FLOAT32_MAX_ROWS = 3, 256
 # Inputs with at most this many rows use our kernels, where they are usable.
 AMX_MAX_ROWS = 32          # bfloat16
+# bfloat16 through vdpbf16ps (no AMX): SmolLM2's projections on a 2-core AMD EPYC (Zen 4),
+# 1-32 rows 1.1-1.4x oneDNN's bfloat16 GEMM, 64 rows level, 128 level (so the decode fast
+# path, which needs the kernel, reaches 64 requests).
+DPBF16_MAX_ROWS = 64
 # float32: the same bound for every vector width. With torch capped to AVX2 as well
 # (MICROVLLM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) the 8-lane
 # kernel still beat oneDNN at every row count from 1 to 64 on three model shapes.
@@ -108,7 +113,7 @@ def float32_onednn_pays() -> bool:
 
 class PackedGemm:
     """``y = x @ weight.T (+ bias)`` with ``weight`` packed once, for oneDNN and for our
-    kernel (AMX tiles for bfloat16, vector panels for float32) where the CPU has it;
+    kernel (AMX tiles or vdpbf16ps panels for bfloat16, vector panels for float32) where the CPU has it;
     each call uses the pack that suits its row count.
 
     The packs are copies: they are rebuilt whenever the weight changes (another tensor,
@@ -118,7 +123,7 @@ class PackedGemm:
     def __init__(self):
         self._key: tuple | None = None                # identifies the weight the packs are of
         self._kinds: list[str] = []                   # the packs that weight can use here
-        self._packs: dict[str, torch.Tensor] = {}     # "amx" / "vec" / "onednn" -> pack
+        self._packs: dict[str, torch.Tensor] = {}     # "amx" / "dpbf16" / "vec" / "onednn" -> pack
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,6 +133,8 @@ class PackedGemm:
         rows = x.reshape(-1, x.shape[-1])
         if kind == "amx":
             out = gemm_kernels.amx_linear(rows, self._pack(weight, kind), bias)
+        elif kind == "dpbf16":
+            out = gemm_kernels.dpbf16_linear(rows, self._pack(weight, kind), bias)
         elif kind == "vec":
             out = gemm_kernels.vec_linear(rows, self._pack(weight, kind), bias)
         else:
@@ -142,7 +149,7 @@ class PackedGemm:
             self._pack(weight, kind)
 
     def packings(self, weight: torch.Tensor) -> list[str]:
-        """The packs ``weight`` can use here (``"amx"`` or ``"vec"``, ``"onednn"``)."""
+        """The packs ``weight`` can use here (``"amx"``, ``"dpbf16"`` or ``"vec"``, ``"onednn"``)."""
         return self._refresh(weight)
 
     def pack(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
@@ -164,6 +171,8 @@ class PackedGemm:
         kinds = self._refresh(weight)
         if "amx" in kinds and rows <= AMX_MAX_ROWS:
             return "amx"
+        if "dpbf16" in kinds and rows <= DPBF16_MAX_ROWS:
+            return "dpbf16"
         if "vec" in kinds and rows <= VEC_MAX_ROWS:
             return "vec"
         if weight.dtype == torch.float32 and (rows < FLOAT32_MIN_ROWS or rows > (_float32_bound() or rows)):
@@ -183,6 +192,8 @@ class PackedGemm:
         if kind not in self._packs:
             if kind == "amx":
                 self._packs[kind] = gemm_kernels.amx_pack_weight(weight)
+            elif kind == "dpbf16":
+                self._packs[kind] = gemm_kernels.dpbf16_pack_weight(weight)
             elif kind == "vec":
                 self._packs[kind] = gemm_kernels.vec_pack_weight(weight)
             else:
@@ -191,12 +202,14 @@ class PackedGemm:
 
 
 def _packings(weight: torch.Tensor) -> list[str]:
-    """The packs this weight can use here: ``"amx"`` or ``"vec"``, and ``"onednn"``."""
+    """The packs this weight can use here: ``"amx"``, ``"dpbf16"`` or ``"vec"``, and ``"onednn"``."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
         return []
     kinds = []
     if weight.dtype == torch.bfloat16 and gemm_kernels.amx_supports(weight):
         kinds.append("amx")
+    elif weight.dtype == torch.bfloat16 and gemm_kernels.dpbf16_supports(weight):
+        kinds.append("dpbf16")
     if weight.dtype == torch.float32 and gemm_kernels.vec_supports(weight):
         kinds.append("vec")
     if _AVAILABLE and (weight.dtype != torch.float32 or float32_onednn_pays()):

@@ -3,6 +3,8 @@
     vec_linear.cpp     float32, one vector source for AVX-512, AVX2 and NEON: weights in
                        panels of 3 vectors of output columns (48, 24 or 12)
     amx_linear.cpp     bfloat16, Intel AMX tiles: weights in 16 x 32 tiles
+    dpbf16_linear.cpp  bfloat16 on AVX512-BF16 without AMX (vdpbf16ps, AMD Zen 4 and on):
+                       weights in panels of 48 output columns, pairs of inputs side by side
 
 Each weight is packed once, at load time (``*_pack_weight``); every call then streams
 the pack straight through the vector or matrix units (see each .cpp file's header).
@@ -20,6 +22,7 @@ from microvllm.platforms.cpu import kernels
 
 TILE_N, TILE_K = 16, 32          # an AMX weight tile: 16 output columns x 32 inputs
 PANEL_VECTORS = 3   # vec_linear: a panel is 3 vectors of output columns (vec_linear_panel())
+DPBF16_PANEL = 48   # dpbf16_linear: output columns per panel (dpbf16_linear_panel() checks)
 
 
 def amx_status() -> str | None:
@@ -145,4 +148,61 @@ def vec_linear(x: torch.Tensor, packed: torch.Tensor,
             kernels.load("vec_linear").vec_linear(x.data_ptr(), packed.data_ptr(),
                                                   bias.data_ptr() if bias is not None else None,
                                                   out.data_ptr(), x.shape[0], n, k)
+    return out
+
+
+def dpbf16_status() -> str | None:
+    """None if the AVX512-BF16 kernel is usable here, else the reason it is not."""
+    return kernels.status("dpbf16_linear")
+
+
+def dpbf16_supports(weight: torch.Tensor) -> bool:
+    """Whether this weight can go through the AVX512-BF16 kernel here: bfloat16 on a CPU,
+    N % 16 == 0, K even, and the kernel usable on this machine."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 and dpbf16_status() is None)
+
+
+def dpbf16_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``W [N, K]`` -> a ``[N, K]`` tensor holding W's elements in panels of P = 48 output
+    columns, each panel pair-major: input pair ``kp``'s 48 columns one after another, each
+    column's two inputs side by side (what ``vdpbf16ps`` multiplies); the last panel N % 48
+    wide::
+
+        flat packed[P·K·p + 2·w_p·kp + 2·j + e] = W[P·p + j, 2·kp + e]      w_p: panel p's width
+    """
+    n, k = weight.shape
+    if not dpbf16_supports(weight):
+        raise ValueError(f"cannot pack a {weight.dtype} [{n}, {k}] weight for the AVX512-BF16 kernel: "
+                         f"it needs bfloat16, N % 16 == 0, K % 2 == 0 and a CPU with AVX512-BF16 "
+                         f"({dpbf16_status() or 'this one has it'})")
+    panel = DPBF16_PANEL
+    full = n // panel * panel
+    w = weight.detach()
+    panels = [w[:full].reshape(n // panel, panel, k // 2, 2).permute(0, 2, 1, 3).reshape(-1)]
+    if full < n:
+        panels.append(w[full:].reshape(n - full, k // 2, 2).permute(1, 0, 2).reshape(-1))
+    return torch.cat(panels).view(n, k)
+
+
+def dpbf16_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` in bfloat16, with ``packed = dpbf16_pack_weight(W)``."""
+    n, k = packed.shape
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be bfloat16 [M, {k}], got {x.dtype} {list(x.shape)}")
+    if packed.dtype != torch.bfloat16 or dpbf16_status() is not None or n % 16 or k % 2:
+        raise ValueError("packed must come from dpbf16_pack_weight")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
+        raise ValueError(f"bias must be bfloat16 [{n}], got {bias.dtype} {list(bias.shape)}")
+    x = x.contiguous()
+    for name, t in (("x", x), ("packed", packed), ("bias", bias)):
+        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    if x.shape[0]:
+        with kernels.profiled("microvllm::dpbf16_linear"):
+            kernels.load("dpbf16_linear").dpbf16_linear(x.data_ptr(), packed.data_ptr(),
+                                                        bias.data_ptr() if bias is not None else None,
+                                                        out.data_ptr(), x.shape[0], n, k)
     return out

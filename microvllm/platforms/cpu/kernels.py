@@ -194,6 +194,8 @@ LIBRARIES = {
                           needs=("amx_tile", "amx_bf16", "avx512_bf16"), init="amx_init",
                           init_error="Linux refused this process the AMX tile registers "
                                      "(arch_prctl ARCH_REQ_XCOMP_PERM needs Linux 5.16 or newer)"),
+    "dpbf16_linear": Library("bfloat16 projections use oneDNN, and the bfloat16 decode fast path is off "
+                             "(unless the CPU has AMX)", needs=("avx512_bf16", "avx512bw")),
     "decode_layers": Library("the decode fast path is off"),
     "quantized_linear": Library("GGUF and int8 weights are dequantized in torch at every call "
                                 "(measured 0.04x of the kernel at batch 1)"),
