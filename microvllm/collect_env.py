@@ -106,8 +106,9 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
         f32 = (f"rows {gemm.FLOAT32_MIN_ROWS}-{top}: oneDNN; others: F.linear" if top else
                f"rows {gemm.FLOAT32_MIN_ROWS} on: oneDNN; fewer: F.linear") if onednn and gemm.float32_onednn_pays() \
             else "F.linear"
-    bf16 = (f"rows 1-{gemm.AMX_MAX_ROWS}: AMX; " if ok["amx_linear"] else "") + \
-        ("oneDNN" if onednn else "F.linear")
+    bf16_kernel = ((f"rows 1-{gemm.AMX_MAX_ROWS}: AMX; " if ok["amx_linear"] else
+                    f"rows 1-{gemm.DPBF16_MAX_ROWS}: dpbf16_linear (AVX512-BF16); " if ok["dpbf16_linear"] else ""))
+    bf16 = bf16_kernel + ("more: " if bf16_kernel else "") + ("oneDNN" if onednn else "F.linear")
     routes = [
         ("RMSNorm, RoPE", "C++ (norm_rope)" if ok["norm_rope"] else "torch"),
         ("SiLU and mul", "C++ (activation)" if ok["activation"] else "torch"),
@@ -120,7 +121,7 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
         ("GGUF Q4_1 / Q8_0, int8", f"rows 1-{quantized_gemm.MAX_FUSED_ROWS}: quantized_linear on the stored blocks; "
          "more: dequantize, then F.linear" if quantized else "dequantized in torch at every call"),
         ("decode fast path", ", ".join(f"{what}: {'on' if on else 'off'}" for what, on in (
-            ("float32", layer_loop and vec), ("bfloat16", layer_loop and ok["amx_linear"]),
+            ("float32", layer_loop and vec), ("bfloat16", layer_loop and bool(bf16_kernel)),
             ("GGUF / int8", layer_loop and quantized)))),
     ]
     sections.append(("routes (default engine; enforce_eager=True: torch for all)", routes))

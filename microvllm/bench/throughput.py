@@ -450,10 +450,13 @@ def bench_random(args, model_path: Path, cost: ModelCost, dtype: torch.dtype,
             parts.append(f"batch {batch} = no decode-only step")
             continue
         floor_ms = statistics.median(c.floor_s(flop_rate, bandwidth) for c in step_costs)
-        parts.append(f"batch {batch} = {_ms(statistics.median(times))} "
-                     f"(floor {_ms(floor_ms)})")
+        step_s = statistics.median(times)
+        achieved = statistics.median(c.flops for c in step_costs) / step_s
+        parts.append(f"batch {batch} = {_ms(step_s)} (floor {_ms(floor_ms)}; "
+                     f"{_si(achieved, 'FLOP/s')}, {_pct(achieved / flop_rate)} of the matmul ceiling)")
     print(f"decode step: {', '.join(parts)}  [median of decode-only steps, "
-          f"{args.decode_prompt_len}-token prompts, {args.decode_output_len} outputs]")
+          f"{args.decode_prompt_len}-token prompts, {args.decode_output_len} outputs; "
+          f"ceiling: the {_si(flop_rate, 'FLOP/s')} above, as `bench roofline` measures it]")
     if args.profile:
         profile_decode(llm, cost, max(args.decode_batches), args)
     del llm

@@ -32,7 +32,8 @@ def test_quick_prints_every_section(tiny_llama, capsys):
         r"^roofline: .* of work / .* measured = .*; microvllm at .*% of the matmul limit$",
         r"^time floor: .* \(sum over \d+ steps of max\(compute, memory\); .*\); "
         r"microvllm wall = [\d.]+ x the floor$",
-        r"^decode step: batch 1 = [\d.]+ ms \(floor .*\), batch 4 = [\d.]+ ms",
+        r"^decode step: batch 1 = [\d.]+ ms \(floor .*; [\d.]+ [kMGT]?FLOP/s, [\d.]+%? of the matmul ceiling\), "
+        r"batch 4 = [\d.]+ ms",
         r"^prefix workload: 4 requests sharing a 64-token system prompt",
         r"^prefix caching off\s+[\d,]+\s+[\d.]+\s+[\d.]+$",
         r"^prefix caching on\s+[\d,]+\s+[\d.]+\s+[\d.]+$",

@@ -42,8 +42,9 @@ arguments; hence a C loop. Notebook 11 measures the step with it on and off.)
 
 It applies to decode-only steps (every request computes one token) of up to
 ``AMX_MAX_ROWS`` or ``DPBF16_MAX_ROWS`` (bfloat16: AMX, or AVX512-BF16 without it) or
-``VEC_MAX_ROWS`` (float32) requests, on a CPU whose projections have those kernels (or, for quantized weights, all of one format with a kernel
-in ``quantized_linear.cpp``: GGUF Q4_1 or Q8_0, int8, up to ``MAX_FUSED_ROWS`` requests), with
+``VEC_MAX_ROWS`` (float32) requests, on a CPU whose projections have those kernels (or,
+for quantized weights, all of one format with a kernel in ``quantized_linear.cpp``: GGUF
+Q4_1 or Q8_0, int8, up to ``MAX_FUSED_ROWS`` requests), with
 the ``cpu`` attention backend, for Llama and Mistral layers (not Qwen3's per-head norms,
 nor mixtures of experts).
 Every other step runs the model.
@@ -60,8 +61,14 @@ from microvllm.distributed import get_tensor_model_parallel_world_size
 from microvllm.layers.linear import Linear
 from microvllm.platforms.cpu import attention as attention_kernels, kernels, quantized_gemm
 from microvllm.platforms.cpu.attention_backend import CPUAttentionBackend
-from microvllm.platforms.cpu.gemm import (AMX_MAX_ROWS, DPBF16_MAX_ROWS, VEC_MAX_ROWS, PackedGemm, PackedLinear,
-                                          tensor_version)
+from microvllm.platforms.cpu.gemm import (
+    AMX_MAX_ROWS,
+    DPBF16_MAX_ROWS,
+    VEC_MAX_ROWS,
+    PackedGemm,
+    PackedLinear,
+    tensor_version,
+)
 from microvllm.platforms.cpu.kernels import DTYPE_CODES
 
 # dtype -> the PackedGemm packs whose kernel can run the projections, in order of preference,

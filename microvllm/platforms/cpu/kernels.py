@@ -190,7 +190,8 @@ LIBRARIES = {
     "paged_attention": Library("attention runs the torch backend and the decode fast path is off"),
     "prefill_attention": Library("prefill attention runs torch's SDPA"),
     "vec_linear": Library("float32 projections use oneDNN and MKL, and the float32 decode fast path is off"),
-    "amx_linear": Library("bfloat16 projections use oneDNN instead",
+    "amx_linear": Library("bfloat16 projections use dpbf16_linear (AVX512-BF16) where the CPU has it, "
+                          "else oneDNN",
                           needs=("amx_tile", "amx_bf16", "avx512_bf16"), init="amx_init",
                           init_error="Linux refused this process the AMX tile registers "
                                      "(arch_prctl ARCH_REQ_XCOMP_PERM needs Linux 5.16 or newer)"),
