@@ -27,10 +27,12 @@
 // written with vector intrinsics: each KV head's row is converted to float32 registers
 // once and used by its `group` query heads. Left to the compiler, the bfloat16 loops
 // compiled to mostly scalar code: the intrinsics made bfloat16 decode attention 1.3x
-// faster (float32 was already at memory speed). Pass 3 then keeps a KV head's query
-// sums in registers over all tokens, one head at a time: on a 2-core AMD EPYC (Zen 4),
-// 32 requests of ~170 tokens x 30 layers, 7.7 -> 6.4-7.1 ms in bfloat16 and 12.6 ->
-// 11.7-12.4 ms in float32 (a 16-token transposed sum for pass 1 measured slower).
+// faster (float32 was already at memory speed). In 16-bit types pass 3 then keeps a KV
+// head's query sums in registers over all tokens, one head at a time: 1.10-1.11x in
+// bfloat16 on a 2-core AMD EPYC (Zen 4; 32 requests of ~170 tokens x 30 layers, the two
+// versions alternated 20 times in one process, the same bits out); 0.97x in float32, which
+// keeps the per-token loop. Summing 16 tokens' or 4 heads' dot products together in
+// pass 1 measured slower than one horizontal sum each.
 //
 // Arithmetic is float32 whatever T is (as in SDPA's CPU kernel). Threads come from the
 // OpenMP runtime torch already loaded, so torch.set_num_threads applies here too.
@@ -176,13 +178,14 @@ void decode(const T* query, int64_t query_stride, const T* kv_cache, const int32
             // pass 3: the probability-weighted sum of values
             std::fill(acc.begin(), acc.end(), 0.f);
 #ifdef __AVX512F__
-            if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128) {
-                // One KV head at a time, up to GROUP_TILE of its query heads' sums held in
-                // registers across all the tokens (GROUP_TILE x V accumulators: 4 x 4 for
-                // head_dim 64, 2 x 8 for 128), instead of loading and storing every query
-                // head's sum at every token. Each token's row is then read once per head:
-                // after the first head, from cache (a request's values are 2-3 KiB per
-                // token here, so one request's fit in L2).
+            if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128 && sizeof(T) == 2) {
+                // 16-bit values: one KV head at a time, up to GROUP_TILE of its query heads'
+                // sums held in registers across all the tokens (GROUP_TILE x V accumulators:
+                // 4 x 4 for head_dim 64, 2 x 8 for 128), instead of loading and storing every
+                // query head's sum at every token. Each token's row is then read once per
+                // head: after the first head, from cache (one request's values fit in L2).
+                // float32 keeps the loop below: its rows are twice the bytes, and reading
+                // them once per head measured 3% slower there.
                 constexpr int V = HEAD_DIM / 16;
                 constexpr int GROUP_TILE = V <= 4 ? 4 : 2;
                 for (int h = 0; h < heads_per_task; ++h)
