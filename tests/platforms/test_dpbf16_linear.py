@@ -15,22 +15,14 @@ import torch.nn.functional as F
 from microvllm.layers.linear import Linear
 from microvllm.platforms.cpu import gemm_kernels as cpu_kernels, kernels
 from microvllm.platforms.cpu.gemm import DPBF16_MAX_ROWS
-from tests.attention.cases import seed_for
 from tests.platforms.conftest import on_cpu_platform
+from tests.platforms.test_amx_linear import random_case  # bfloat16 x, W / sqrt(K), bias
 
 needs_dpbf16 = pytest.mark.skipif(cpu_kernels.dpbf16_status() is not None,
                                   reason=f"AVX512-BF16 kernel unavailable: {cpu_kernels.dpbf16_status()}")
 ROWS = [1, 3, 8, 9, 32, 33, 64, 70]   # 8: one micro-kernel chunk; 9: a chunk and one row
 # (N, K): 16 and 32-wide last panels (N % 48), K below, at and past one k block (256 inputs)
 SHAPES = [(16, 2), (32, 40), (48, 64), (112, 256), (960, 576), (576, 1536)]
-
-
-def random_case(request, rows, n, k, bias):
-    g = torch.Generator().manual_seed(seed_for(request.node.name))
-    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
-    return x, w, b
 
 
 @needs_dpbf16

@@ -75,9 +75,6 @@ from microvllm.platforms.cpu.kernels import DTYPE_CODES
 # with the most rows each takes (the first that the weights have here is used)
 GEMM_KERNELS = {torch.bfloat16: (("amx", AMX_MAX_ROWS), ("dpbf16", DPBF16_MAX_ROWS)),
                 torch.float32: (("vec", VEC_MAX_ROWS),)}
-# PackedGemm kind -> (its library, the C function)
-FLOAT_GEMMS = {"amx": ("amx_linear", "amx_linear"), "dpbf16": ("dpbf16_linear", "dpbf16_linear"),
-               "vec": ("vec_linear", "vec_linear")}
 # Quantized projections (layers/quantization/): weight format -> the C function that runs
 # them, on the weights as stored (float32 activations; its signature is the GEMM's: for int8
 # the "packed weight" is a pair of pointers, the int8 rows and their scales).
@@ -212,8 +209,8 @@ class DecodeFastPath:
         if self.quantized:
             gemm = getattr(kernels.load("quantized_linear"), self.kind)
         else:
-            library, function = FLOAT_GEMMS[self.kind]
-            gemm = getattr(kernels.load(library), function)
+            name = f"{self.kind}_linear"   # a PackedGemm kind's library and C function: amx_linear, ...
+            gemm = getattr(kernels.load(name), name)
         norm_rope, attention = kernels.load("norm_rope"), kernels.load("paged_attention")
         # The C functions the modules' CPU versions call, as function pointers.
         self.kernels = Kernels(

@@ -79,24 +79,9 @@ def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` in bfloat16, with ``packed = amx_pack_weight(W)``."""
     num_n_blocks, num_k_blocks = packed.shape[:2]
-    n, k = num_n_blocks * TILE_N, num_k_blocks * TILE_K
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be bfloat16 [M, {k}], got {x.dtype} {list(x.shape)}")
-    if packed.dtype != torch.bfloat16 or packed.shape[2:] != (TILE_K // 2, TILE_N, 2):
-        raise ValueError("packed must come from amx_pack_weight")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
-        raise ValueError(f"bias must be bfloat16 [{n}], got {bias.dtype} {list(bias.shape)}")
-    x = x.contiguous()
-    for name, t in (("x", x), ("packed", packed), ("bias", bias)):
-        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous CPU tensor")
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    if x.shape[0]:
-        with kernels.profiled("microvllm::amx_linear"):
-            kernels.load("amx_linear").amx_linear(x.data_ptr(), packed.data_ptr(),
-                                  bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                                  x.shape[0], n, k)
-    return out
+    packed_ok = packed.dtype == torch.bfloat16 and packed.shape[2:] == (TILE_K // 2, TILE_N, 2)
+    return _run_linear("amx_linear", torch.bfloat16, x, packed, bias,
+                       num_n_blocks * TILE_N, num_k_blocks * TILE_K, packed_ok)
 
 
 def vec_supports(weight: torch.Tensor) -> bool:
@@ -132,23 +117,8 @@ def vec_linear(x: torch.Tensor, packed: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` in float32, with ``packed = vec_pack_weight(W)``."""
     n, k = packed.shape
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be float32 [M, {k}], got {x.dtype} {list(x.shape)}")
-    if packed.dtype != torch.float32 or vec_status() is not None or n % vec_lanes():
-        raise ValueError("packed must come from vec_pack_weight")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-        raise ValueError(f"bias must be float32 [{n}], got {bias.dtype} {list(bias.shape)}")
-    x = x.contiguous()
-    for name, t in (("x", x), ("packed", packed), ("bias", bias)):
-        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous CPU tensor")
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0]:
-        with kernels.profiled("microvllm::vec_linear"):
-            kernels.load("vec_linear").vec_linear(x.data_ptr(), packed.data_ptr(),
-                                                  bias.data_ptr() if bias is not None else None,
-                                                  out.data_ptr(), x.shape[0], n, k)
-    return out
+    packed_ok = packed.dtype == torch.float32 and vec_status() is None and n % vec_lanes() == 0
+    return _run_linear("vec_linear", torch.float32, x, packed, bias, n, k, packed_ok)
 
 
 def dpbf16_status() -> str | None:
@@ -189,20 +159,29 @@ def dpbf16_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` in bfloat16, with ``packed = dpbf16_pack_weight(W)``."""
     n, k = packed.shape
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be bfloat16 [M, {k}], got {x.dtype} {list(x.shape)}")
-    if packed.dtype != torch.bfloat16 or dpbf16_status() is not None or n % 16 or k % 2:
-        raise ValueError("packed must come from dpbf16_pack_weight")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
-        raise ValueError(f"bias must be bfloat16 [{n}], got {bias.dtype} {list(bias.shape)}")
+    packed_ok = packed.dtype == torch.bfloat16 and dpbf16_status() is None and n % 16 == 0 and k % 2 == 0
+    return _run_linear("dpbf16_linear", torch.bfloat16, x, packed, bias, n, k, packed_ok)
+
+
+def _run_linear(name: str, dtype: torch.dtype, x: torch.Tensor, packed: torch.Tensor,
+                bias: torch.Tensor | None, n: int, k: int, packed_ok: bool) -> torch.Tensor:
+    """The checks every kernel's wrapper makes (C++ cannot), then kernel ``name`` (whose C
+    function and library share its name) on ``x [M, k]``, returning ``[M, n]``."""
+    kind = str(dtype).removeprefix("torch.")
+    if x.dtype != dtype or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be {kind} [M, {k}], got {x.dtype} {list(x.shape)}")
+    if not packed_ok:
+        raise ValueError(f"packed must come from {name.removesuffix('linear')}pack_weight")
+    if bias is not None and (bias.dtype != dtype or bias.shape != (n,)):
+        raise ValueError(f"bias must be {kind} [{n}], got {bias.dtype} {list(bias.shape)}")
     x = x.contiguous()
-    for name, t in (("x", x), ("packed", packed), ("bias", bias)):
+    for what, t in (("x", x), ("packed", packed), ("bias", bias)):
         if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous CPU tensor")
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+            raise ValueError(f"{what} must be a contiguous CPU tensor")
+    out = torch.empty(x.shape[0], n, dtype=dtype)
     if x.shape[0]:
-        with kernels.profiled("microvllm::dpbf16_linear"):
-            kernels.load("dpbf16_linear").dpbf16_linear(x.data_ptr(), packed.data_ptr(),
-                                                        bias.data_ptr() if bias is not None else None,
-                                                        out.data_ptr(), x.shape[0], n, k)
+        with kernels.profiled(f"microvllm::{name}"):
+            getattr(kernels.load(name), name)(x.data_ptr(), packed.data_ptr(),
+                                              bias.data_ptr() if bias is not None else None,
+                                              out.data_ptr(), x.shape[0], n, k)
     return out
