@@ -207,28 +207,42 @@ def test_a_killed_replica_is_ejected_and_readmitted_once_restarted(cluster):
 
 
 def test_a_stream_whose_replica_dies_ends_with_an_error_event_then_done(cluster):
-    killed = []
+    """The replica serving a stream is killed after 5 events. The kill must land while it is
+    still generating: on a loaded machine the tiny model can finish all its tokens (the
+    proxy buffering them for a reader that fell behind) before the reader gets to 5, and
+    then neither replica is in flight. Such a try tests nothing, so it is run again."""
+    for _ in range(3):
+        killed, outran = [], []
 
-    def kill_after_a_few(payloads):
-        if len(payloads) == 5:
-            in_flight = cluster.proxy.stats()["in_flight"]
-            assert sorted(in_flight) == [0, 1], in_flight
-            killed.append(in_flight.index(1))
-            cluster.kill(killed[0])
+        def kill_after_a_few(payloads):
+            if len(payloads) == 5:
+                in_flight = cluster.proxy.stats()["in_flight"]
+                if sorted(in_flight) != [0, 1]:
+                    assert in_flight == [0, 0], in_flight   # one stream open: never two
+                    outran.append(True)
+                    return
+                killed.append(in_flight.index(1))
+                cluster.kill(killed[0])
 
-    try:
-        with httpx.stream("POST", cluster.url + "/v1/completions", json={**LONG, "stream": True},
-                          timeout=60) as response:
-            assert response.status_code == 200
-            payloads = read_stream(response, kill_after_a_few)   # no "incomplete chunked read"
-        assert killed, "the stream ended before its replica could be killed"
-        assert payloads[-1] == "[DONE]"
-        error = json.loads(payloads[-2])["error"]
-        assert error["type"] == "ServiceUnavailableError" and error["code"] == 503 and error["message"]
-        for payload in payloads[:-2]:
-            chunk = json.loads(payload)                          # every event before it is whole
-            assert chunk["choices"][0]["finish_reason"] is None  # and the stream did not finish
-        assert cluster.complete().status_code == 200             # the other replica takes the next one
-    finally:
-        if killed:
-            cluster.restart(killed[0])
+        try:
+            with httpx.stream("POST", cluster.url + "/v1/completions", json={**LONG, "stream": True},
+                              timeout=60) as response:
+                assert response.status_code == 200
+                payloads = read_stream(response, kill_after_a_few)   # no "incomplete chunked read"
+            if outran:
+                assert payloads[-1] == "[DONE]" and json.loads(payloads[-2])["choices"][0]["finish_reason"]
+                continue
+            assert killed, "the stream ended before its replica could be killed"
+            assert payloads[-1] == "[DONE]"
+            error = json.loads(payloads[-2])["error"]
+            assert error["type"] == "ServiceUnavailableError" and error["code"] == 503 and error["message"]
+            for payload in payloads[:-2]:
+                chunk = json.loads(payload)                          # every event before it is whole
+                assert chunk["choices"][0]["finish_reason"] is None  # and the stream did not finish
+            assert cluster.complete().status_code == 200             # the other replica takes the next one
+            return
+        finally:
+            if killed:
+                cluster.restart(killed[0])
+    pytest.fail("in 3 tries the replica always finished its stream before the 5th event was read")
+
