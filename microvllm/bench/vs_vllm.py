@@ -9,7 +9,9 @@ Each round runs, for each dtype:
 
     offline   batch 1 and batch 32 (``--batches``): each engine in a fresh process
               (``vs_vllm_offline.py``), the same random token-id prompts, greedy,
-              ignore_eos; output tok/s, start time, peak RSS; token ids compared
+              ignore_eos; output tok/s, start time, peak RSS; token ids compared;
+              then the prefill alone (as many other prompts, one token each): prompt
+              tok/s, the part of a step both engines spend in the same GEMM
     served    each server started in turn, alone on the machine, then vLLM's own client
               (``vllm bench serve``: random 128-in / 64-out prompts, Poisson arrivals,
               sampling at its default temperature) at a fixed rate and at saturation
@@ -105,7 +107,9 @@ def describe(c: Comparison) -> str:
     if c.kind == "offline":
         m, v = c.microvllm, c.vllm
         return (f"offline {c.dtype:>8} {c.setting:>9}: {m['tok_s']:7.1f} vs {v['tok_s']:7.1f} tok/s "
-                f"= {ratio(m['tok_s'], v['tok_s']):.2f}x | start {m['start_s']:.0f} vs {v['start_s']:.0f} s | "
+                f"= {ratio(m['tok_s'], v['tok_s']):.2f}x | prefill alone {m['prefill_tok_s']:.0f} vs "
+                f"{v['prefill_tok_s']:.0f} prompt tok/s = {ratio(m['prefill_tok_s'], v['prefill_tok_s']):.2f}x | "
+                f"start {m['start_s']:.0f} vs {v['start_s']:.0f} s | "
                 f"RSS {m['peak_rss_mb'] / 1024:.1f} vs {v['peak_rss_mb'] / 1024:.1f} GB | "
                 + "; ".join(c.notes) + f" | {load}")
     m, v = ServeResult(**c.microvllm), ServeResult(**c.vllm)
@@ -125,7 +129,9 @@ def summary(results: list[Comparison]) -> list[str]:
         runs = [c for c in results if (c.kind, c.dtype, c.setting) == (kind, dtype, setting)]
         if kind == "offline":
             values = [ratio(c.microvllm["tok_s"], c.vllm["tok_s"]) for c in runs]
-            lines.append(f"offline {dtype:>8} {setting:>9}: throughput {min(values):.2f}-{max(values):.2f}x vLLM")
+            prefill = [ratio(c.microvllm["prefill_tok_s"], c.vllm["prefill_tok_s"]) for c in runs]
+            lines.append(f"offline {dtype:>8} {setting:>9}: throughput {min(values):.2f}-{max(values):.2f}x vLLM, "
+                         f"prefill alone {min(prefill):.2f}-{max(prefill):.2f}x")
         else:
             parts = []
             for name, attr in (("TTFT p99", "ttft_p99_s"), ("ITL p99", "itl_p99_s"), ("tok/s", "output_tok_s")):

@@ -10,9 +10,11 @@ is asked for, inside ``run``::
 Both engines get the same prompts (random token ids, ``prompt_ids``), greedy with
 ``ignore_eos``, ``max_num_seqs = batch``. One untimed warm-up call first (vLLM
 compiles and captures there; microvllm packs nothing late, but pays its first-call
-costs too); then one timed ``generate`` of all prompts. The result file holds the
-timing, the start time (process start to engine ready), the peak RSS and every
-request's output token ids, which the parent compares.
+costs too); then one timed ``generate`` of all prompts; then the prefill alone: as many
+other prompts of the same length (the first ones are in the prefix cache now), one
+output token each, so that no decode step runs. The result file holds both timings,
+the start time (process start to engine ready), the peak RSS and every request's output
+token ids, which the parent compares.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ def load_engine(args):
         from vllm import LLM, SamplingParams
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.batch, seed=args.seed,
               max_model_len=args.input_len + args.output_len + 16)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
-    def generate(batch):
+    def generate(batch, max_tokens=args.output_len):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
     return generate
@@ -99,8 +101,12 @@ def run(args) -> dict:
     token_ids = generate(prompts)
     seconds = time.perf_counter() - begin
     generated = sum(len(t) for t in token_ids)
+    begin = time.perf_counter()
+    generate(prompt_ids(args.batch, args.input_len, args.seed + 2, vocab), max_tokens=1)
+    prefill_s = time.perf_counter() - begin
     return {"engine": args.engine, "dtype": args.dtype, "batch": args.batch, "seconds": seconds,
             "output_tokens": generated, "tok_s": generated / seconds, "start_s": ready_s,
+            "prefill_s": prefill_s, "prefill_tok_s": args.batch * args.input_len / prefill_s,
             "peak_rss_mb": tree_peak_rss_mb(),
             "token_ids": token_ids}
 

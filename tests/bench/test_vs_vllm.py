@@ -33,21 +33,22 @@ def test_tokens_are_compared_request_by_request():
         "tokens 1/2 identical (request 1 differs from token 1)"
 
 
-def offline(tok_s):
-    return {"tok_s": tok_s, "start_s": 3.0, "peak_rss_mb": 2048.0}
+def offline(tok_s, prefill_tok_s=800.0):
+    return {"tok_s": tok_s, "prefill_tok_s": prefill_tok_s, "start_s": 3.0, "peak_rss_mb": 2048.0}
 
 
 def test_the_report_gives_each_ratio_and_its_range_over_rounds():
     slow, fast = ServeResult(**{**vars(ServeResult.from_vllm_json(VLLM_RESULT))}), ServeResult.from_vllm_json(
         {**VLLM_RESULT, "p99_ttft_ms": 760.0, "p99_itl_ms": 510.4, "output_throughput": 337.2})
-    results = [Comparison("offline", "float32", "batch 32", 0, offline(300.0), offline(250.0), (0.5, 1.5)),
-               Comparison("offline", "float32", "batch 32", 1, offline(330.0), offline(300.0)),
+    results = [Comparison("offline", "float32", "batch 32", 0, offline(300.0), offline(250.0, 1000.0), (0.5, 1.5)),
+               Comparison("offline", "float32", "batch 32", 1, offline(330.0, 880.0), offline(300.0)),
                Comparison("serve", "float32", "rate 4", 0, vars(fast), vars(slow))]
     assert "1.20x" in describe(results[0]) and "load 0.50->1.50" in describe(results[0])
+    assert "prefill alone 800 vs 1000 prompt tok/s = 0.80x" in describe(results[0])
     line = describe(results[2])
     assert "TTFT p99 0.76 vs 1.52 s (0.50x)" in line and "(2.00x)" in line   # ITL halved, tok/s doubled
     lines = summary(results)
-    assert lines[0].startswith("offline  float32  batch 32: throughput 1.10-1.20x vLLM")
+    assert lines[0] == "offline  float32  batch 32: throughput 1.10-1.20x vLLM, prefill alone 0.80-1.10x"
     assert "TTFT p99 0.50-0.50x, ITL p99 0.50-0.50x, tok/s 2.00-2.00x" in lines[1]
 
 
@@ -71,6 +72,7 @@ def test_the_offline_child_runs_microvllm_and_writes_tokens_and_timing(tmp_path)
     result = json.loads(out.read_text())
     assert [len(t) for t in result["token_ids"]] == [5, 5, 5]
     assert result["output_tokens"] == 15 and result["tok_s"] > 0 and result["peak_rss_mb"] > 0
+    assert result["prefill_s"] > 0 and result["prefill_tok_s"] == pytest.approx(3 * 10 / result["prefill_s"])
     # The same prompts through the engine here: the child ran them greedily, as given.
     from microvllm import LLM, SamplingParams
     from microvllm.bench.vs_vllm_offline import prompt_ids, vocab_size
