@@ -13,9 +13,15 @@
     VLLM_ENABLE_V1_MULTIPROCESSING   vLLM's name: 1 runs the engine core in a process of
                        its own (``SyncMPClient``), 0 in the caller's (``InprocClient``, which
                        a notebook can step); unset: 0 for ``LLM``, 1 for ``microvllm serve``
+    VLLM_RPC_TIMEOUT   vLLM's name: milliseconds a call to an engine core in another process
+                       (a utility: check_fits, reset_prefix_cache, ...) waits for its answer
+                       (default here 300000, 5 min; vLLM's is 10000: a core answers between
+                       two steps, and a step on a CPU can take seconds)
     VLLM_SERVER_DEV_MODE     vLLM's name: 1 adds the server's development endpoints
                        (``POST /reset_prefix_cache``); off by default, as any client could
                        otherwise empty every user's prefix cache
+    VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT   vLLM's name: seconds a chat template that a request
+                       brought may take to render (``--trust-request-chat-template``; default 30)
     VLLM_ALLOW_RUNTIME_LORA_UPDATING   vLLM's name: True adds ``POST /v1/load_lora_adapter``
                        and ``/v1/unload_lora_adapter``; off by default, as a client then
                        chooses a folder on the server's disk to load for every user
@@ -86,6 +92,12 @@ def server_dev_mode() -> bool:
     return os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
 
 
+def chat_template_render_timeout() -> float:
+    """``$VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT`` (vLLM's name, default 30): the seconds a chat
+    template a request brought may take to render (``request_template.py``)."""
+    return float(os.environ.get("VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT", "30"))
+
+
 def allow_runtime_lora_updating() -> bool:
     """``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true (vLLM's switch)."""
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
@@ -96,3 +108,9 @@ def enable_v1_multiprocessing(default: bool = False) -> bool:
     ``default`` (off for ``LLM``, so that a notebook can step the core; on for ``serve``)."""
     value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip().lower()
     return default if not value else value in ("1", "true", "yes")
+
+
+def rpc_timeout_s() -> float:
+    """``$VLLM_RPC_TIMEOUT`` (vLLM's name, in milliseconds; default here 300000) in seconds:
+    how long a utility call to an engine core in another process waits for its answer."""
+    return float(os.environ.get("VLLM_RPC_TIMEOUT", "300000")) / 1000

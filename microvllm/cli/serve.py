@@ -32,15 +32,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: $VLLM_API_KEY if set, else no key)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or the path of a file holding one: replaces the model's")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let a request bring its own chat_template (vLLM's flag; off by default: a template "
+                             "is a program, refused with a 400). Trusted ones render in a child process bounded "
+                             "in memory and in time ($VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT, default 30 s)")
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info: the tokenizer's configuration as JSON (vLLM's flag; "
                              "off by default, as it shows the tokenizer's whole config and chat template)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="tool_choice='auto' (the default with tools): the model calls tools in its own "
                              "format, read back by --tool-call-parser")
+    from microvllm.tool_parsers import ToolParserManager  # light: the parsers load when one is asked for
+
     parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                        help="the model's tool-call format: hermes (Qwen2.5, Qwen3), or one a "
-                             "--tool-parser-plugin registers")
+                        help="the model's tool-call format: one of "
+                             f"{', '.join(ToolParserManager.list_registered())} (microvllm/tool_parsers/ "
+                             "draws each), or one a --tool-parser-plugin registers")
     parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
                         help="a Python file that registers a tool parser (ToolParserManager.register_module)")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",

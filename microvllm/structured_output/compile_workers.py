@@ -16,13 +16,15 @@ whose client has gone keeps running. In a process of its own it can be all three
         result        <── ("ok", blob) | ("error", msg) ─   (a bad spec: ValueError's message)
         worker died   (signal 11)      -> ValueError "the grammar compiler crashed on it"
         past the deadline              -> kill it; CompileTimeout
+        past max_worker_rss_bytes      -> kill it; ValueError "took more than N MB"
         the client went away           -> kill it; CompileCancelled
       a killed or dead worker is replaced by a fresh one at once (it starts in ~1.5 s,
       importing xgrammar, while the next compile waits for an idle one)
 
 The parent keeps none of the compiler's memory: a compile that takes 1 GB does so in
 the worker, and a worker whose resident memory passes ``max_worker_rss_bytes`` is
-replaced after its compile. The price of the process boundary is one serialize and
+stopped, while it compiles (read from /proc at each poll: a spec of 5,000 tools once
+grew a worker to 20 GB before the compile ended) or after it. The price of the process boundary is one serialize and
 one deserialize per compile (xgrammar's ``serialize_json``: ~7 ms for a small JSON
 schema on a 2-core Xeon), which the manager's cache of compiled grammars pays once per
 distinct spec.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import multiprocessing.connection
+import os
 import queue
 import signal
 import socket
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class CompileTimeout(ValueError):
@@ -114,6 +118,14 @@ class _Worker:
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
+
+    def rss(self) -> int | None:
+        """Its resident memory now, in bytes (None where /proc cannot tell: not Linux)."""
+        try:
+            with open(f"/proc/{self.process.pid}/statm") as statm:
+                return int(statm.read().split()[1]) * _PAGE_SIZE
+        except (OSError, ValueError, IndexError):
+            return None
 
     def kill(self) -> None:
         if self.is_alive():
@@ -238,6 +250,14 @@ class GrammarCompileWorkers:
                 return value
             if not worker.is_alive():
                 self._crashed(worker, what)
+            rss = worker.rss()
+            if rss is not None and rss > self.max_worker_rss_bytes:   # growing past the bound: stop it now
+                self._replace(worker)
+                logger.warning("a grammar compile worker passed %.0f MB while compiling a %s spec: stopped",
+                               rss / 2**20, what)
+                raise ValueError(f"{what} took more than {self.max_worker_rss_bytes / 2**20:.0f} MB of memory to "
+                                 "compile, so it was stopped: simplify it (fewer or smaller schemas, a grammar "
+                                 "with fewer rules)")
             if cancelled.is_set():
                 self._replace(worker)
                 raise CompileCancelled()

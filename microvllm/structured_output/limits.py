@@ -9,6 +9,7 @@ it broke and how to change it::
     spec text longer than max_spec_chars ............ "structured_outputs.json is 2,000,000 characters ..."
     choice with more than max_choices entries ....... "structured_outputs.choice has 20,000 entries ..."
     JSON schema nested deeper than max_schema_depth . "... nested 4,001 levels deep (via $ref) ..."
+      (each tool's schema in a structural tag, too)
 
 Nesting counts both the document's own levels and the levels a ``$ref`` leads to: a chain
 ``d0 -> d1 -> ... -> d4000`` is 4,000 deep even though each definition is flat. A ``$ref``
@@ -39,13 +40,32 @@ def check_spec(structured, spec: str, limits: StructuredOutputsConfig) -> None:
             raise ValueError(f"{field} has {len(structured.choice):,} entries, more than this server compiles "
                              f"({limits.structured_outputs_max_choices:,}, --structured-outputs-max-choices): "
                              "send fewer, or a regex or grammar that describes them")
-    elif kind == "json":
+    elif kind in ("json", "structural_tag"):
         max_depth = limits.structured_outputs_max_schema_depth
-        schema = json.loads(spec) if isinstance(structured.json, str) else structured.json
-        if schema_depth(schema, stop_at=max_depth + 1) > max_depth:
-            raise ValueError(f"{field} is nested more than {max_depth} levels deep "
-                             f"(counting what each $ref leads to; --structured-outputs-max-schema-depth): "
-                             "flatten the schema")
+        value = getattr(structured, kind)
+        value = json.loads(spec) if isinstance(value, str) else value
+        # A structural tag (strict tools) holds one JSON schema per tool: each is measured.
+        for where, schema in ([("", value)] if kind == "json" else _tag_schemas(value)):
+            if schema_depth(schema, stop_at=max_depth + 1) > max_depth:
+                raise ValueError(f"{field}{where} is nested more than {max_depth} levels deep "
+                                 f"(counting what each $ref leads to; --structured-outputs-max-schema-depth): "
+                                 "flatten the schema")
+
+
+def _tag_schemas(tag) -> list[tuple[str, object]]:
+    """Every ``{"type": "json_schema", "json_schema": ...}`` in a structural tag, with where
+    it is; found with an explicit stack (a tag is a client's document too)."""
+    found, stack = [], [(tag, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                found.append((f"{where}.json_schema", node["json_schema"]))
+                continue
+            stack.extend((child, f"{where}.{key}") for key, child in node.items() if isinstance(child, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(node) if isinstance(child, (dict, list)))
+    return found
 
 
 def schema_depth(schema, stop_at: int) -> int:

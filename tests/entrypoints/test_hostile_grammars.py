@@ -74,10 +74,18 @@ def normal_request_works(server) -> None:
 
 @pytest.mark.slow
 def test_a_schema_that_crashes_the_compiler_is_a_400_and_the_server_lives(server):
+    """What holds on any machine: a 400 naming the field, for one of the two refusals that
+    can stop this compile (the crash, signal 11, usually comes within 4 s; on a loaded
+    machine the time limit can fire first); the server alive and serving; nothing leaked
+    (its one compile worker replaced, no traceback in its log)."""
     response = chat(server, response_format=response_format(object_chain(4000)))
-    assert_400(response, "structured_outputs.json", "crashed")
+    assert_400(response, "structured_outputs.json")
+    message = response.json()["error"]["message"]
+    assert "crashed" in message or "--structured-outputs-compile-timeout" in message, message
     assert server.process.poll() is None
     normal_request_works(server)
+    wait_for(lambda: len(compile_worker_pids(server.process.pid)) == 1, 30,
+             f"one compile worker again (now: {compile_worker_pids(server.process.pid)})")
     assert "Traceback" not in server.log_path.read_text()
 
 

@@ -69,6 +69,15 @@ def keyed(engine, server):
 
 
 @pytest.fixture(scope="module")
+def trusting(engine, server):
+    """The same engine served with --trust-request-chat-template: a request's template renders."""
+    srv = ThreadServer(build_app(engine, "tiny", trust_request_chat_template=True))
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        yield client
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
 def reference(folder):
     return LLM(folder, **SETTINGS)
 
@@ -236,8 +245,9 @@ def test_a_malformed_history_is_a_400_saying_what_to_change(http, messages, word
     ("{{ messages[5].content }}", ["messages"]),
     ("{{ raise_exception('no') }}", ["messages"]),
 ])
-def test_a_broken_chat_template_is_a_400(http, template, words):
-    assert_400(http.post("/v1/chat/completions", json={"messages": CHAT, "chat_template": template}), None, *words)
+def test_a_broken_chat_template_is_a_400(http, trusting, template, words):
+    assert_400(trusting.post("/v1/chat/completions", json={"messages": CHAT, "chat_template": template}),
+               None, *words)
     healthy_and_serving(http)
 
 

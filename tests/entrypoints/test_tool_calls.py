@@ -125,7 +125,8 @@ def test_the_flags_are_checked_before_the_model_loads():
 def test_a_template_that_leaves_the_tools_out_is_named_in_the_log_once(own_engine, caplog):
     """The tiny model's template ignores ``tools``: the server says so (once), since the model
     could not know it may call them. A template that renders them is not warned about."""
-    server = ThreadServer(build_app(own_engine, "tiny", enable_auto_tool_choice=True, tool_call_parser="hermes"))
+    server = ThreadServer(build_app(own_engine, "tiny", enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                    trust_request_chat_template=True))
     renders_tools = ("{% for tool in tools %}{{ tool['function']['name'] }}\n{% endfor %}"
                      "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     body = {"model": "tiny", "messages": CHAT, "tools": TOOLS, "max_tokens": 2}

@@ -90,6 +90,15 @@ class _SamplingFields(BaseModel):
     # where to read it (distributed/kv_transfer/kv_connector/p2p_connector.py).
     kv_transfer_params: dict[str, Any] | None = None
 
+    @field_validator("*")
+    @classmethod
+    def _integers_fit_64_bits(cls, value, info):
+        # JSON has integers of any size; the engine's wire format (msgpack) and its tensors
+        # have 64 bits. A larger one anywhere in a field is the client's mistake: a 400
+        # naming the field, not a 500 when the request is sent to the core.
+        check_int64(value, info.field_name)
+        return value
+
     @field_validator("kv_transfer_params")
     @classmethod
     def _well_formed_kv_transfer_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -150,6 +159,26 @@ class _SamplingFields(BaseModel):
             extra_args=({"kv_transfer_params": self.kv_transfer_params}
                         if self.kv_transfer_params is not None else None))
         return SamplingParams(**values)
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_int64(value, field: str) -> None:
+    """``ValueError`` naming ``field`` if any integer in ``value`` (a list or dict of any
+    depth, walked with an explicit stack) is outside 64 bits."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not INT64_MIN <= item <= INT64_MAX:
+                shown = str(item) if len(str(item)) <= 24 else f"{str(item)[:20]}... ({len(str(item))} digits)"
+                raise ValueError(f"{shown} in {field} is outside the 64-bit integer range "
+                                 f"[{INT64_MIN}, {INT64_MAX}]: send a smaller number")
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def _is_off(value) -> bool:
@@ -215,6 +244,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # false: one call at most (vLLM's rule: the first call only; a required array holds one)
+    parallel_tool_calls: bool | None = True
     response_format: dict[str, Any] | None = None
     # Set by the server, never by the body: started with --enable-auto-tool-choice (and the
     # --tool-call-parser class, whose structural tag holds strict tools to their schemas).
@@ -283,7 +314,8 @@ class ChatCompletionRequest(_SamplingFields):
     def tool_call_schema(self) -> dict | None:
         """The JSON schema the output must follow when a tool call is required (vLLM's way:
         structured outputs): a named function's parameters, or for ``"required"`` a list
-        of ``{"name", "parameters"}`` objects, one of the tools each. None otherwise;
+        of ``{"name", "parameters"}`` objects, one of the tools each (one object only with
+        ``parallel_tool_calls: false``). None otherwise;
         ``"auto"`` with tools: None with ``--enable-auto-tool-choice`` (a tool parser reads
         the model's own format), else refused."""
         if self.tool_choice in (None, "none", "auto") and not self.tools:
@@ -307,10 +339,13 @@ class ChatCompletionRequest(_SamplingFields):
             return functions[name]
         if self.tool_choice != "required":
             raise ValueError(f"tool_choice={self.tool_choice!r} is not none, auto, required or a named function")
-        return {"type": "array", "minItems": 1,
-                "items": {"anyOf": [{"type": "object", "properties": {
-                    "name": {"type": "string", "enum": [name]}, "parameters": parameters},
-                    "required": ["name", "parameters"]} for name, parameters in functions.items()]}}
+        calls = {"type": "array", "minItems": 1,
+                 "items": {"anyOf": [{"type": "object", "properties": {
+                     "name": {"type": "string", "enum": [name]}, "parameters": parameters},
+                     "required": ["name", "parameters"]} for name, parameters in functions.items()]}}
+        if self.parallel_tool_calls is False:
+            calls["maxItems"] = 1   # the model stops after one call instead of writing calls nobody gets
+        return calls
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -61,7 +61,9 @@ class OpenAIServingResponses:
         chat = request.to_chat_request()
         if serving.enable_auto_tool_choice:   # as create_chat_completion does
             chat.enable_auto_tool_choice(serving.tool_parser)
+        serving.check_chat_size(chat, "input")   # what the chat and its tools hold, before they render
         params = chat.to_sampling_params()
+        serving.check_request_size(params)      # n and the output's constraint
         prompt = await engine.run_on_tokenizer_thread(functools.partial(serving.render_chat, chat, "input"))
         prompt = await serving._prepare(prompt, params, request.max_output_tokens, "input", "max_output_tokens")
         response_id = f"resp_{uuid.uuid4().hex}"
