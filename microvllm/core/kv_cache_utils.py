@@ -12,8 +12,8 @@ content *and everything before it*, so equal hashes mean equal KV values:
 
     tokens      [ t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 ]   block_size = 4
     block hash      h0       ->     h1       ->  (not full: no hash)
-    h0 = sha256(ROOT || tokens 0..3 || extra keys, e.g. cache salt)
-    h1 = sha256(h0   || tokens 4..7)
+    h0 = sha256(ROOT || tokens 0..3 || extra keys: the adapter's, the cache salt)
+    h1 = sha256(h0   || tokens 4..7 || extra keys: the adapter's)
 
 This file has no dependency on the rest of the engine (and no torch).
 """
@@ -62,7 +62,7 @@ def _encode_extra_keys(extra_keys: Sequence[object]) -> bytes:
     """A stable byte encoding of extra keys (str, int, or a tuple of those), tagged by type.
 
     The tag and length prefix keep e.g. ("ab", "c") and ("a", "bc") apart, and a tuple
-    such as the adapter's ``("lora_name", "sql")`` apart from a cache salt ``"sql"``.
+    such as the adapter's ``("lora", "sql", "/a/sql")`` apart from a cache salt ``"sql"``.
     """
     parts = []
     for key in extra_keys:
@@ -99,24 +99,55 @@ def hash_block_tokens(
     ### END SOLUTION
 
 
+def _gen_lora_extra_hash_keys(lora_request) -> tuple:
+    """The adapter's extra key, in every block's hash (vLLM: ``_gen_lora_extra_hash_keys``).
+
+    A block's KV is a function of the tokens up to it and of the weights that computed
+    them. The base model's weights are the engine's; an adapter's vary, so its blocks are
+    keyed by what determines its weights, never by the name a client calls it::
+
+        lora_request                                   its blocks' extra key
+        None (the base model)                          ()
+        ("sql", 1, "/a/sql", lora_digest="9f2c…")      (("lora", "9f2c…"),)
+        ("sql", 2, "/b/sql", lora_digest="41d7…")      (("lora", "41d7…"),)   same name, other files: no hit
+        ("sql-2", 3, "/a/sql", lora_digest="9f2c…")    (("lora", "9f2c…"),)   same files: a hit
+        ("sql", 1, "/a/sql"), no digest                (("lora", "sql", "/a/sql"),)   a bare core's
+
+    ``lora_digest`` is the sha256 of the adapter's config and weights files
+    (``lora/peft_helper.py`` ``adapter_digest``), which the front end takes once per
+    adapter. So a name unloaded and loaded again from another folder, or from the same
+    folder after its files were replaced, can never read the old adapter's KV (vLLM keys
+    by the name alone, and did); the same files under any id or name still share theirs.
+    A request that reached a core without the front end (a test's ``Request``) has no
+    digest and is keyed by its name and path. The key is a tuple: a cache salt that spells
+    it (a string) cannot reach an adapter's blocks.
+    """
+    if lora_request is None:
+        return ()
+    digest = getattr(lora_request, "lora_digest", "")
+    if digest:
+        return (("lora", digest),)
+    return (("lora", lora_request.lora_name, lora_request.lora_path),)
+
+
 def hash_new_full_blocks(
     block_hashes: list[BlockHash],
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None = None,
-    lora_name: str | None = None,
+    lora_request: object | None = None,
 ) -> None:
     """Append hashes for blocks of ``token_ids`` that became full since last call.
 
     Incremental: ``block_hashes`` already covers ``len(block_hashes)`` blocks,
     only the new full ones are hashed. The cache salt goes into the first
-    block only; chaining carries it into every later hash. A LoRA adapter's name
-    goes into every block (vLLM's ``_gen_lora_extra_hash_keys``): the same tokens
-    under two adapters (or one and the base model) have different KV.
+    block only; chaining carries it into every later hash. A LoRA adapter's key
+    (``_gen_lora_extra_hash_keys``: the digest of its files) goes into every block:
+    the same tokens under two adapters (or one and the base model) have different KV.
     Cost: O(new full blocks * block_size).
     """
     start = len(block_hashes) * block_size
-    lora_keys: tuple = (("lora_name", lora_name),) if lora_name is not None else ()
+    lora_keys = _gen_lora_extra_hash_keys(lora_request)
     while start + block_size <= len(token_ids):
         parent = block_hashes[-1] if block_hashes else None
         salt_keys = (cache_salt,) if (start == 0 and cache_salt is not None) else ()

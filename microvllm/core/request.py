@@ -90,7 +90,8 @@ class Request:
         self.block_size = block_size
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
-        # Its LoRA adapter (a ``LoRARequest``: ``lora_name``, ``lora_int_id``), None for the base model.
+        # Its LoRA adapter (a ``LoRARequest``: ``lora_name``, ``lora_int_id``, ``lora_digest``: its
+        # blocks' prefix-cache key), None for the base model.
         self.lora_request = lora_request
 
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -120,7 +121,7 @@ class Request:
 
         # Hashes of the full blocks of all_token_ids, grown as tokens arrive.
         self.block_hashes: list[BlockHash] = []
-        hash_new_full_blocks(self.block_hashes, self.all_token_ids, block_size, cache_salt, self.lora_name)
+        hash_new_full_blocks(self.block_hashes, self.all_token_ids, block_size, cache_salt, self.lora_request)
 
     @property
     def lora_name(self) -> str | None:
@@ -155,7 +156,7 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         hash_new_full_blocks(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
-                             self.lora_name)
+                             self.lora_request)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -32,7 +32,7 @@ from microvllm.engine.param_checks import check_params_for_model
 from microvllm.engine.prompts import PromptProcessor
 from microvllm.lora.lora_model import check_adapter_fits
 from microvllm.lora.peft_helper import PEFTHelper
-from microvllm.lora.request import LoRARequest
+from microvllm.lora.request import AdapterDigests, LoRARequest
 from microvllm.sampling_params import SamplingParams
 
 
@@ -46,6 +46,7 @@ class ProcessedRequest:
     params: SamplingParams
     grammars: list | None = None   # structured outputs: one compiled matcher per sample
     lora_request: LoRARequest | None = None   # its LoRA adapter, checked; None: the base model
+    reasoning_parser_kwargs: dict | None = None   # the chat's template kwargs (the reasoning gate's)
 
 
 class InputProcessor:
@@ -61,10 +62,12 @@ class InputProcessor:
         self.core = core
         self.structured_output_manager = structured_output_manager
         self.ids_in_use = ids_in_use
+        self.adapter_digests = AdapterDigests()   # each adapter id's digest: its blocks' prefix-cache key
 
     def process(self, request_id: str, prompt, params: SamplingParams | None = None,
                 *, name: str | None = None, grammars: list | None = None,
-                lora_request: LoRARequest | None = None) -> ProcessedRequest:
+                lora_request: LoRARequest | None = None,
+                reasoning_parser_kwargs: dict | None = None) -> ProcessedRequest:
         """Every check a request must pass, and its tokens; changes nothing. ``name``: what
         errors call it (``LLM.generate`` checks all its prompts first, as "prompts[2]").
         ``grammars``: its structured-output matchers, compiled already (a server compiles
@@ -72,10 +75,11 @@ class InputProcessor:
         adapter (``check_lora_request``)."""
         token_ids: list[int] | None = None
         try:
-            self.check_lora_request(lora_request)
+            lora_request = self.check_lora_request(lora_request)
             processed = self._process(request_id, prompt, params, name=name, grammars=grammars)
-            if lora_request is not None:
-                processed = dataclasses.replace(processed, lora_request=lora_request)
+            if lora_request is not None or reasoning_parser_kwargs is not None:
+                processed = dataclasses.replace(processed, lora_request=lora_request,
+                                                reasoning_parser_kwargs=reasoning_parser_kwargs)
             token_ids = processed.token_ids
             kv_transfer_params = (processed.params.extra_args or {}).get("kv_transfer_params")
             if kv_transfer_params is not None:   # from a request body: untrusted
@@ -123,12 +127,13 @@ class InputProcessor:
             self.structured_output_manager.check_can_start(params, grammars[0])   # all n are alike
         return ProcessedRequest(request_id, text, token_ids, params, grammars)
 
-    def check_lora_request(self, lora_request: LoRARequest | None) -> None:
+    def check_lora_request(self, lora_request: LoRARequest | None) -> LoRARequest | None:
         """A LoRA adapter may run only on an engine started with ``enable_lora=True``, and
         must be a peft folder this engine serves (rank, target modules, plain LoRA): refused
-        here, before the request runs, rather than in the middle of a step."""
+        here, before the request runs, rather than in the middle of a step. Returns it as the
+        core takes it: with its ``lora_digest`` (its files' sha256, taken once per id)."""
         if lora_request is None:
-            return
+            return None
         if not isinstance(lora_request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest(lora_name, lora_int_id, lora_path), "
                             f"got {type(lora_request).__name__}")
@@ -140,6 +145,7 @@ class InputProcessor:
         helper = PEFTHelper.from_local_dir(lora_request.lora_path)
         helper.validate_legal(lora_config.max_lora_rank)
         check_adapter_fits(lora_request.lora_path, helper, self.config.model_config.hf_config)
+        return self.adapter_digests.with_digest(lora_request)
 
     def tokenize_prompt(self, prompt, params: SamplingParams, *,
                         name: str | None = None) -> tuple[str | None, list[int]]:
@@ -162,6 +168,12 @@ class InputProcessor:
                 text = self.prompts.tokenizer.decode(token_ids, skip_special_tokens=False) \
                     if self.prompts.tokenizer is not None else None
         return text, token_ids
+
+    def max_text_chars(self) -> int:
+        """The longest text that could still fit ``max_model_len`` (``check_text_fits``'s bound)."""
+        if self.prompts.tokenizer is None:
+            return 0
+        return self.config.scheduler_config.max_model_len * self.prompts.max_token_chars - 1
 
     def check_text_fits(self, num_chars: int, which: str, shorten: str = "it") -> None:
         """``ValueError`` if ``num_chars`` characters of text cannot fit ``max_model_len``,
@@ -186,7 +198,8 @@ class InputProcessor:
         return [EngineCoreRequest(child_id, processed.token_ids, _child_params(params, index),
                                   eos_token_id=self.prompts.eos_token_id, arrival_time=now, cache_salt=salt,
                                   grammar=grammars[index], prompt=processed.text,
-                                  lora_request=processed.lora_request)
+                                  lora_request=processed.lora_request,
+                                  reasoning_parser_kwargs=processed.reasoning_parser_kwargs)
                 for index, child_id in enumerate(sample_ids(processed.request_id, params.n))]
 
 

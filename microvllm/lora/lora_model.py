@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from microvllm.lora.lora_weights import LoRALayerWeights
@@ -90,7 +90,12 @@ def check_adapter_fits(lora_dir: str | Path, peft_helper: PEFTHelper, hf_config)
     only the safetensors header: the front end checks this before the request runs."""
     num_layers = hf_config.num_hidden_layers
     shapes = expected_lora_shapes(hf_config)
-    with safe_open(str(Path(lora_dir) / WEIGHTS_NAME), framework="pt") as f:
+    try:
+        weights = safe_open(str(Path(lora_dir) / WEIGHTS_NAME), framework="pt")
+    except SafetensorError as error:   # a truncated or corrupt file: its header does not parse
+        raise ValueError(f"{WEIGHTS_NAME} in {str(lora_dir)!r} is not a readable safetensors file ({error}): "
+                         f"write it again with PeftModel.save_pretrained") from None
+    with weights as f:
         for name in f.keys():
             module, which = parse_fine_tuned_lora_name(name)
             parts = module.split(".")

@@ -18,6 +18,7 @@ to change, before anything runs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -51,6 +52,26 @@ class PEFTHelper:
 
     @classmethod
     def from_dict(cls, config: dict) -> "PEFTHelper":
+        """``ValueError`` saying what is wrong for anything that is not a LoRA config: this is
+        a file a client may choose (``/v1/load_lora_adapter``), so no other error escapes."""
+        if not isinstance(config, dict):
+            raise ValueError(f"{CONFIG_NAME} holds a JSON {type(config).__name__}, not an object: it should be "
+                             f"the adapter's LoraConfig, as PeftModel.save_pretrained writes it")
+        rank, alpha = config.get("r"), config.get("lora_alpha", 8)
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            found = f"r={rank!r}" if "r" in config else 'no "r"'
+            raise ValueError(f"{CONFIG_NAME} has {found}: it needs \"r\", the adapter's rank, an integer "
+                             f"(the adapter's LoraConfig, as PeftModel.save_pretrained writes it)")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise ValueError(f"{CONFIG_NAME} has lora_alpha={alpha!r}: it must be a number")
+        try:
+            return cls._from_dict(config)
+        except (TypeError, AttributeError) as error:   # a field of the wrong JSON type
+            raise ValueError(f"{CONFIG_NAME} is not a LoRA config this engine can read ({error}): it should be "
+                             f"the adapter's LoraConfig, as PeftModel.save_pretrained writes it") from None
+
+    @classmethod
+    def _from_dict(cls, config: dict) -> "PEFTHelper":
         peft_type = config.get("peft_type", "LORA")
         if peft_type != "LORA":
             raise ValueError(f"peft_type={peft_type!r}: only LoRA adapters (peft_type 'LORA') are supported")
@@ -76,7 +97,12 @@ class PEFTHelper:
         if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
             raise ValueError(f"lora_path={str(lora_path)!r} is not a peft adapter folder: it needs "
                              f"{CONFIG_NAME} and {WEIGHTS_NAME} (what PeftModel.save_pretrained writes)")
-        return cls.from_dict(json.loads((path / CONFIG_NAME).read_text()))
+        try:
+            config = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
+        except ValueError as error:   # not JSON, or not UTF-8
+            raise ValueError(f"{CONFIG_NAME} in {str(lora_path)!r} is not JSON ({error}): write it again with "
+                             f"PeftModel.save_pretrained") from None
+        return cls.from_dict(config)
 
     def validate_legal(self, max_lora_rank: int) -> None:
         """Refuse, saying what to change, what this engine does not serve."""
@@ -105,3 +131,23 @@ class PEFTHelper:
                             f"{list(SUPPORTED_LORA_MODULES)}")
         if problems:
             raise ValueError("this LoRA adapter cannot be served:\n  " + "\n  ".join(problems))
+
+
+def adapter_digest(lora_path: str | Path) -> str:
+    """What the adapter *is*: the sha256 (64 hex digits) of its two files, each with its
+    name, read in 1 MiB pieces (O(the files' size), once per adapter)::
+
+        sha256( "adapter_config.json"       || sha256(its bytes)
+             || "adapter_model.safetensors" || sha256(its bytes) )
+
+    The prefix cache keys an adapter's blocks by it (``core/kv_cache_utils.py``), so two
+    folders, or one folder's files before and after they were replaced, never share KV,
+    while the same files under any name or id do."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        file_digest = hashlib.sha256()
+        with open(Path(lora_path) / name, "rb") as file:
+            while chunk := file.read(1 << 20):
+                file_digest.update(chunk)
+        digest.update(name.encode() + file_digest.digest())
+    return digest.hexdigest()

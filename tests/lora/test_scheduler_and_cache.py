@@ -1,4 +1,4 @@
-"""vLLM's ``max_loras`` rule in the scheduler, and the adapter in every block hash."""
+"""vLLM's ``max_loras`` rule in the scheduler, and the adapter's key in every block hash."""
 
 from __future__ import annotations
 
@@ -106,8 +106,15 @@ def test_block_hashes_separate_adapters():
     for x, y in (("sql", "poem"), ("sql", "base"), ("poem", "base")):
         assert not set(hashes[x]) & set(hashes[y]), f"{x} and {y} share a block hash"
     assert request("again", prompt, A_).block_hashes == hashes["sql"]
-    # the same adapter under another id is the same adapter (vLLM hashes the name)
-    assert request("renumbered", prompt, LoRARequest("sql", 9, "/x")).block_hashes == hashes["sql"]
+    # the same folder under another id is the same adapter; the same name in another folder is not
+    assert request("renumbered", prompt, LoRARequest("sql", 9, "/adapters/sql")).block_hashes == hashes["sql"]
+    assert not set(request("moved", prompt, LoRARequest("sql", 9, "/x")).block_hashes) & set(hashes["sql"])
+    # with the digest of its files (what the front end fills in): keyed by the digest alone
+    first = request("d1", prompt, LoRARequest("sql", 1, "/a", lora_digest="d1")).block_hashes
+    reloaded = request("d2", prompt, LoRARequest("sql", 2, "/a", lora_digest="d2")).block_hashes  # files replaced
+    copy = request("copy", prompt, LoRARequest("other", 3, "/elsewhere", lora_digest="d1")).block_hashes
+    assert not set(first) & set(reloaded) and not set(first) & set(hashes["sql"])
+    assert copy == first
     # a cache salt that spells an adapter's name does not reach that adapter's blocks
     assert request("salted", prompt, None, cache_salt="sql").block_hashes[0] != hashes["sql"][0]
 

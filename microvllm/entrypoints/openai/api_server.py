@@ -68,7 +68,8 @@ from microvllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from microvllm.entrypoints.openai.request_guard import RequestGuard, with_header_timeout
 from microvllm.entrypoints.openai.request_limits import RequestLimits
 from microvllm.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown
-from microvllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_modules
+from microvllm.entrypoints.openai.serving_models import (LoRAModulePath, OpenAIServingModels, check_lora_modules,
+                                                         parse_lora_modules)
 from microvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from microvllm.utils.gc_utils import freeze_gc_heap
 
@@ -189,20 +190,21 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
               api_key: str | None = None, chat_template: str | None = None,
               on_engine_dead=None, enable_tokenizer_info_endpoint: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``model_name`` (and any other
     ``served_model_names``). ``on_engine_dead()`` is called once if the engine dies.
     ``enable_tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (else it is a 404).
     ``lora_modules``: LoRA adapters served by name (``--lora-modules``; the engine has
     ``enable_lora=True``), each checked here: a folder the engine cannot run is refused."""
     serving = OpenAIServing(engine, model_name, chat_template=chat_template,
+                            trust_request_chat_template=trust_request_chat_template,
                             **chat_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser))
     responses_serving = OpenAIServingResponses(serving)   # /v1/responses, over the chat path
     names = [model_name, *(served_model_names or [])]
     models = serving.models = OpenAIServingModels(names)
     for module in lora_modules or []:
-        check_lora = engine.engine.input_processor.check_lora_request
-        check_lora(models.add(module.name, module.path))
+        models.add(module.name, module.path, check=engine.engine.input_processor.check_lora_request)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -320,15 +322,18 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(request: LoadLoRAAdapterRequest):
             try:
-                lora = models.add(request.lora_name, request.lora_path)
+                lora = models.new_lora_request(request.lora_name, request.lora_path)
             except ValueError as error:
                 return error_response(400, str(error), "BadRequestError", "lora_name")
-            try:   # reads the folder's config and tensor shapes: off the event loop
-                await engine.run_on_tokenizer_thread(functools.partial(
+            try:   # reads the folder's config, tensor shapes and digest: off the event loop
+                lora = await engine.run_on_tokenizer_thread(functools.partial(
                     engine.engine.input_processor.check_lora_request, lora))
-            except (ValueError, TypeError, OSError) as error:
-                models.remove(request.lora_name)
+            except (ValueError, TypeError, OSError) as error:   # nothing is served under the name
                 return error_response(400, str(error), "BadRequestError", "lora_path")
+            try:
+                models.register(lora)   # only now can a request name it
+            except ValueError as error:
+                return error_response(400, str(error), "BadRequestError", "lora_name")
             return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter")
@@ -369,6 +374,7 @@ def build_app(engine: AsyncLLM, model_name: str, *, served_model_names: list[str
             if request.messages is not None:
                 chat = ChatCompletionRequest(messages=request.messages,
                                              add_generation_prompt=request.add_generation_prompt)
+                serving.check_chat_size(chat)
                 token_ids = (await engine.run_on_tokenizer_thread(
                     functools.partial(serving.render_chat, chat)))["prompt_token_ids"]
             else:
@@ -475,45 +481,51 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     if args.model_tag is not None:
         engine_args.model = args.model_tag
+    check_lora_modules(lora_modules, engine_args.max_lora_rank)   # a DoRA adapter: refused before the model loads
     # The engine core in a process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (with
     # --data-parallel-size N: N cores, each in its own, behind this one front end).
     engine = AsyncLLM.from_engine_args(engine_args, multiprocess=envs.enable_v1_multiprocessing(default=True))
-    served = args.served_model_name or [engine_args.model or EMBEDDED_MODEL_NAME]
-    api_key = getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY") or None
-    server: uvicorn.Server | None = None
-    exit_code = 0
-
-    def engine_dead():
-        nonlocal exit_code
-        exit_code = 1
-        if server is not None:
-            server.should_exit = True
-
-    app = build_app(engine, served[0], served_model_names=served[1:], api_key=api_key,
-                    chat_template=chat_template, on_engine_dead=engine_dead,
-                    enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False),
-                    enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                    tool_call_parser=getattr(args, "tool_call_parser", None),
-                    reasoning_parser=getattr(args, "reasoning_parser", None), lora_modules=lora_modules)
-    limits = RequestLimits.from_cli_args(args)
-    app.state.request_limits = limits   # read by RequestGuard
-    freeze_gc_heap()   # the model and libraries stay: fewer GC pauses, and a quick exit
-    logger.info("serving %s on http://%s:%d", served[0], args.host, args.port)
-    # uvicorn waits for open connections up to its own timeout; ours aborts the requests
-    # a little earlier, so every stream can still send its last chunk and [DONE].
-    # uvicorn has no deadline for a request's headers: its protocol class gets one.
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5,
-                            http=with_header_timeout(AutoHTTPProtocol, limits.request_header_timeout))
-    server = GracefulServer(config, engine, args.shutdown_timeout)
-    # uvicorn catches SIGTERM / SIGINT, stops gracefully, then raises the signal again
-    # with the handlers that were there before it: these make that a normal exit.
-    stopped = lambda signum, frame: logger.info("stopped by signal %d", signum)  # noqa: E731
-    previous = {s: signal.signal(s, stopped) for s in (signal.SIGTERM, signal.SIGINT)}
+    # From here on, whatever fails (an adapter build_app refuses, a bad limit) must stop the
+    # engine: at exit, multiprocessing joins the core's process, which waits for this one to
+    # end, so neither would (a server neither serving nor gone).
+    previous: dict = {}
     try:
+        served = args.served_model_name or [engine_args.model or EMBEDDED_MODEL_NAME]
+        api_key = getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY") or None
+        server: uvicorn.Server | None = None
+        exit_code = 0
+
+        def engine_dead():
+            nonlocal exit_code
+            exit_code = 1
+            if server is not None:
+                server.should_exit = True
+
+        app = build_app(engine, served[0], served_model_names=served[1:], api_key=api_key,
+                        chat_template=chat_template, on_engine_dead=engine_dead,
+                        enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False),
+                        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                        tool_call_parser=getattr(args, "tool_call_parser", None),
+                        reasoning_parser=getattr(args, "reasoning_parser", None), lora_modules=lora_modules,
+                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
+        limits = RequestLimits.from_cli_args(args)
+        app.state.request_limits = limits   # read by RequestGuard
+        freeze_gc_heap()   # the model and libraries stay: fewer GC pauses, and a quick exit
+        logger.info("serving %s on http://%s:%d", served[0], args.host, args.port)
+        # uvicorn waits for open connections up to its own timeout; ours aborts the requests
+        # a little earlier, so every stream can still send its last chunk and [DONE].
+        # uvicorn has no deadline for a request's headers: its protocol class gets one.
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                                http=with_header_timeout(AutoHTTPProtocol, limits.request_header_timeout))
+        server = GracefulServer(config, engine, args.shutdown_timeout)
+        # uvicorn catches SIGTERM / SIGINT, stops gracefully, then raises the signal again
+        # with the handlers that were there before it: these make that a normal exit.
+        stopped = lambda signum, frame: logger.info("stopped by signal %d", signum)  # noqa: E731
+        previous = {s: signal.signal(s, stopped) for s in (signal.SIGTERM, signal.SIGINT)}
         server.run()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        engine.shutdown()              # again, in case the server never started
+        engine.shutdown()              # again, or for the first time if it never started
     return exit_code

@@ -17,13 +17,26 @@ client choose a folder on the server's disk to load, for every user of the serve
 ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` adds an adapter and
 ``POST /v1/unload_lora_adapter {"lora_name"}`` removes it: requests already running finish
 with it, new ones are refused.
+
+An adapter is checked (its config, its tensors' shapes) and its files' digest taken
+(``LoRARequest.lora_digest``: its blocks' prefix-cache key) *before* its name is served::
+
+    add(name, path, check)
+      new id, LoRARequest(name, id, path)     a taken name: ValueError, nothing changed
+      check(it) -> it with its lora_digest    a bad folder: the check's error, nothing changed
+      served under name                       only now can a request name it
+
+so a load that fails leaves nothing behind, and a name loaded again from another folder
+(or from the same folder after its files changed) is keyed by its new files.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from microvllm.lora.peft_helper import PEFTHelper
 from microvllm.lora.request import LoRARequest
 
 
@@ -57,6 +70,18 @@ def parse_lora_modules(values: list[str] | None) -> list[LoRAModulePath]:
     return modules
 
 
+def check_lora_modules(modules: list[LoRAModulePath], max_lora_rank: int) -> None:
+    """``--lora-modules``' folders read and checked before the model loads (seconds, not the
+    minutes a model takes): ``ValueError`` naming the module for a folder that is not a peft
+    adapter, or one this engine does not serve (DoRA, a rank above ``max_lora_rank``, ...).
+    Its tensors' shapes need the model's config: ``build_app`` checks them, once the engine is up."""
+    for module in modules:
+        try:
+            PEFTHelper.from_local_dir(module.path).validate_legal(max_lora_rank)
+        except ValueError as error:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {error}") from None
+
+
 class OpenAIServingModels:
     """The served names: ``base_names`` (the base model's), and adapters by name."""
 
@@ -78,14 +103,32 @@ class OpenAIServingModels:
         """The adapter a request's ``model`` names, or None for the base model."""
         return self.lora_requests.get(name) if name is not None else None
 
-    def add(self, name: str, path: str) -> LoRARequest:
-        """Serve the adapter at ``path`` as ``name`` (``ValueError`` if the name is taken)."""
-        if name in self.base_names or name in self.lora_requests:
-            raise ValueError(f"lora_name {name!r} is already served: unload it first, or choose another name")
+    def new_lora_request(self, name: str, path: str) -> LoRARequest:
+        """The adapter at ``path`` under a new id, not served yet (``ValueError`` if ``name``
+        is taken). Ids are never reused, even one whose load failed."""
+        self._check_free(name)
         request = LoRARequest(name, self._next_lora_id, path)
         self._next_lora_id += 1
-        self.lora_requests[name] = request
         return request
+
+    def register(self, request: LoRARequest) -> None:
+        """Serve ``request`` (checked, with its digest) under its name (``ValueError`` if a
+        load of the same name finished first)."""
+        self._check_free(request.lora_name)
+        self.lora_requests[request.lora_name] = request
+
+    def add(self, name: str, path: str,
+            check: Callable[[LoRARequest], LoRARequest | None] = lambda request: request) -> LoRARequest:
+        """Serve the adapter at ``path`` as ``name`` once ``check`` accepts it (and returns it
+        with its ``lora_digest``): whatever ``check`` raises leaves nothing served."""
+        request = self.new_lora_request(name, path)
+        request = check(request) or request
+        self.register(request)
+        return request
+
+    def _check_free(self, name: str) -> None:
+        if name in self.base_names or name in self.lora_requests:
+            raise ValueError(f"lora_name {name!r} is already served: unload it first, or choose another name")
 
     def remove(self, name: str) -> LoRARequest:
         if name not in self.lora_requests:
