@@ -161,13 +161,15 @@ class AsyncLLM(EngineClient):
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None,
+                       reasoning_parser_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Yield a ``RequestOutput`` each step this request moves; the last has
         ``finished=True``. ``sampling_params.output_kind`` says what each holds: all the
         text so far (CUMULATIVE, the default), only what is new (DELTA), or only the
         last one is yielded (FINAL_ONLY). A bad prompt or parameter raises ``ValueError`` / ``TypeError``
         before anything is yielded. Closing or cancelling the generator aborts the request.
-        ``lora_request``: the LoRA adapter it runs with (``enable_lora=True``)."""
+        ``lora_request``: the LoRA adapter it runs with (``enable_lora=True``);
+        ``reasoning_parser_kwargs``: a chat's template kwargs, which can switch thinking off."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or failed)")
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
@@ -187,7 +189,7 @@ class AsyncLLM(EngineClient):
             # Every check and tokenizing: off the engine's thread and off the event loop.
             processed = await self.run_on_tokenizer_thread(functools.partial(
                 self.engine.process_request, request_id, prompt, sampling_params, grammars=grammars,
-                lora_request=lora_request))
+                lora_request=lora_request, reasoning_parser_kwargs=reasoning_parser_kwargs))
             self._commands.put(("add", processed, accepted))
             await asyncio.wrap_future(accepted)
             while True:

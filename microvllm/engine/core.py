@@ -97,6 +97,8 @@ class EngineCoreRequest:
     grammar: StructuredOutputGrammar | None = None
     prompt: str | None = None
     lora_request: LoRARequest | None = None   # its adapter (checked by the front end); None: the base model
+    # The chat's template kwargs, for the reasoning gate (``enable_thinking``): vLLM's field
+    reasoning_parser_kwargs: dict | None = None
 
 
 @dataclass
@@ -260,7 +262,8 @@ class EngineCore:
             # the grammar cache when the front end compiled the same spec.
             grammar = self.structured_output_manager.compile(request.sampling_params, 1)[0]
         if grammar is not None:
-            self.structured_output_manager.add(request.request_id, grammar, request.prompt_token_ids)
+            self.structured_output_manager.add(request.request_id, grammar, request.prompt_token_ids,
+                                               request.reasoning_parser_kwargs)
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, block_size=self.config.cache_config.block_size,

@@ -159,11 +159,13 @@ class Engine:
 
     def process_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                         *, name: str | None = None, grammars: list | None = None,
-                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
+                        lora_request: LoRARequest | None = None,
+                        reasoning_parser_kwargs: dict | None = None) -> ProcessedRequest:
         """Every check a request must pass, and its tokens; changes nothing
         (``InputProcessor.process``)."""
         return self.input_processor.process(request_id, prompt, params, name=name, grammars=grammars,
-                                            lora_request=lora_request)
+                                            lora_request=lora_request,
+                                            reasoning_parser_kwargs=reasoning_parser_kwargs)
 
     def tokenize_prompt(self, prompt, params: SamplingParams, *,
                         name: str | None = None) -> tuple[str | None, list[int]]:

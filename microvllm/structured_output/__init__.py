@@ -167,10 +167,19 @@ class StructuredOutputManager:
         grammar.fill_bitmask(bitmask, 0)
         return bool(allows_nothing(bitmask, self.vocab_size)[0])
 
-    def add(self, request_id: str, grammar: StructuredOutputGrammar, prompt_token_ids=()) -> None:
+    def add(self, request_id: str, grammar: StructuredOutputGrammar, prompt_token_ids=(),
+            reasoning_parser_kwargs: dict | None = None) -> None:
+        """Track ``grammar``. The reasoning is over from the start when the prompt ended it or
+        when the request switched thinking off (vLLM's rule: the gate is built per request from
+        ``reasoning_parser_kwargs``, the request's ``chat_template_kwargs``; with
+        ``enable_thinking: false`` the model writes no reasoning, so the grammar holds from its
+        first token, whether or not the template wrote an empty ``<think></think>``)."""
         self.grammars[request_id] = grammar
-        if self.reasoner is not None:   # a prompt can end the reasoning itself (thinking switched off)
-            self.reasoning_ended[request_id] = self.reasoner.is_reasoning_end(prompt_token_ids)
+        if self.reasoner is not None:
+            gate = (type(self.reasoner)(self.tokenizer, chat_template_kwargs=reasoning_parser_kwargs)
+                    if reasoning_parser_kwargs else self.reasoner)
+            self.reasoning_ended[request_id] = (not gate.thinking_enabled
+                                                or self.reasoner.is_reasoning_end(prompt_token_ids))
 
     def remove(self, request_id: str) -> None:
         self.grammars.pop(request_id, None)

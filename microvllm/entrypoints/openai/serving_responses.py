@@ -68,7 +68,8 @@ class OpenAIServingResponses:
         prompt = await serving._prepare(prompt, params, request.max_output_tokens, "input", "max_output_tokens")
         response_id = f"resp_{uuid.uuid4().hex}"
         results = merge([engine.generate(prompt, params, response_id,
-                                         lora_request=self.serving.lora_request(request.model))])
+                                         lora_request=self.serving.lora_request(request.model),
+                                         reasoning_parser_kwargs=chat.chat_template_kwargs)])
         first = await _first(results)   # a bad prompt raises here, before any response starts
         head = self._head(request, response_id, params)
         if request.stream:
