@@ -172,3 +172,61 @@ def test_langchain_bind_tools_calls_and_answers(server):
     # The round trip: the tool's result goes back, the model answers.
     answer = model(ANSWER_TURN).invoke(question + [message, ToolMessage("sunny in Paris", tool_call_id=call["id"])])
     assert answer.content == ANSWER and not answer.tool_calls
+
+
+# The model writes two calls in one turn; the agent asked for one at a time.
+TWO_CALLS = ('<think>Both tools.</think><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_agents_sdk_with_parallel_tool_calls_false_gets_one_call(server, streamed):
+    """``ModelSettings(parallel_tool_calls=False)``: the SDK sends the field, and as from vLLM
+    (issue 66, item 11) only the model's first call comes back, so the SDK runs one tool."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        RunHooks,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from agents.items import ToolCallItem
+
+    set_tracing_disabled(True)
+    sent: list[dict] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                                http_client=httpx.AsyncClient(event_hooks={"request": [record]}, timeout=60))
+    settings = dict(temperature=0, max_tokens=300, parallel_tool_calls=False)
+
+    class AnswerAfterTheTool(RunHooks):
+        async def on_tool_end(self, context, agent, tool, result):
+            agent.model_settings = ModelSettings(**settings, extra_body=forced(ANSWER_TURN))
+
+    agent = Agent(name="weather", instructions="Answer with the tools.",
+                  model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+                  tools=[function_tool(weather, name_override="get_weather"),
+                         function_tool(local_time, name_override="get_time")],
+                  model_settings=ModelSettings(**settings, extra_body=forced(TWO_CALLS)))
+    if streamed:
+        async def run():
+            result = Runner.run_streamed(agent, "Weather in Paris?", hooks=AnswerAfterTheTool())
+            async for _ in result.stream_events():
+                pass
+            return result
+
+        result = asyncio.run(run())
+    else:
+        result = Runner.run_sync(agent, "Weather in Paris?", hooks=AnswerAfterTheTool())
+
+    assert sent[0]["parallel_tool_calls"] is False
+    calls = [item.raw_item for item in result.new_items if isinstance(item, ToolCallItem)]
+    assert [(call.name, json.loads(call.arguments)) for call in calls] == [("get_weather", {"city": "Paris"})]
+    assert result.final_output == ANSWER

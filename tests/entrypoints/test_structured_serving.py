@@ -82,8 +82,16 @@ def test_tool_choice_required_as_vllms_example_sends_it(client):
     """The requests of vLLM's openai_chat_completion_client_with_tools_required.py."""
     stream = client.chat.completions.create(messages=MESSAGES, model="smollm2", tools=TOOLS,
                                             tool_choice="required", stream=True, max_tokens=200, temperature=0)
-    streamed = [call for chunk in stream if chunk.choices and chunk.choices[0].delta.tool_calls
-                for call in chunk.choices[0].delta.tool_calls]
+    # The calls stream in pieces (the id and name first, then the arguments): a client joins them by index.
+    pieces = [call for chunk in stream if chunk.choices and chunk.choices[0].delta.tool_calls
+              for call in chunk.choices[0].delta.tool_calls]
+    streamed = {}
+    for piece in pieces:
+        if piece.index not in streamed:
+            streamed[piece.index] = piece.model_copy(deep=True)
+        else:
+            streamed[piece.index].function.arguments += piece.function.arguments or ""
+    streamed = [streamed[index] for index in sorted(streamed)]
     check_calls(streamed)
     reply = client.chat.completions.create(messages=MESSAGES, model="smollm2", tools=TOOLS,
                                            tool_choice="required", max_tokens=200, temperature=0)

@@ -156,7 +156,11 @@ def test_a_required_tool_call_after_the_reasoning_through_the_server(folder, end
             for chunk in answer:
                 for choice in chunk.choices:
                     reasoning[choice.index] += (choice.delta.model_extra or {}).get("reasoning") or ""
-                    calls[choice.index] += choice.delta.tool_calls or []
+                    for piece in choice.delta.tool_calls or []:   # the name first, then the arguments
+                        if piece.function.name is not None:
+                            calls[choice.index].append(piece.model_copy(deep=True))
+                        else:
+                            calls[choice.index][piece.index].function.arguments += piece.function.arguments
                     assert not choice.delta.content, choice.delta
                     finish[choice.index] = choice.finish_reason or finish[choice.index]
         else:
@@ -166,8 +170,42 @@ def test_a_required_tool_call_after_the_reasoning_through_the_server(folder, end
     finally:
         server.stop()
         engine.shutdown()
-    assert finish == ["tool_calls"] * 3 and all(reasoning), (finish, reasoning)
+    # a named function's call ends the turn with "stop" (OpenAI's and vLLM's finish reason)
+    assert finish == ["stop"] * 3 and all(reasoning), (finish, reasoning)
     for made in calls:
         assert [call.function.name for call in made] and {call.function.name for call in made} == {"get_weather"}
         for call in made:
             jsonschema.validate(json.loads(call.function.arguments), city)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_switched_off_puts_the_grammar_in_force_from_the_first_token(folder, stream):
+    """``chat_template_kwargs={"enable_thinking": false}`` on a server with ``--reasoning-parser
+    qwen3``: the model writes no reasoning, so the regex holds from its first token (vLLM's
+    rule: the gate is built per request from the chat's template kwargs), even though this
+    tiny model's template writes no empty ``<think></think>`` into the prompt."""
+    import openai
+
+    from microvllm.engine.async_llm import AsyncLLM
+    from microvllm.entrypoints.openai.api_server import build_app
+    from tests.support import LLM_SETTINGS, ThreadServer
+
+    engine = AsyncLLM(folder, reasoning_parser="qwen3", **LLM_SETTINGS)
+    server = ThreadServer(build_app(engine, "tiny", reasoning_parser="qwen3"))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        answers = []
+        for seed in range(4):
+            answer = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Three digits?"}], seed=seed, temperature=1.0,
+                max_tokens=20, stream=stream, extra_body={"structured_outputs": {"regex": PATTERN},
+                                                          "chat_template_kwargs": {"enable_thinking": False}})
+            if stream:
+                answers.append("".join(chunk.choices[0].delta.content or "" for chunk in answer if chunk.choices))
+            else:
+                assert answer.choices[0].message.model_extra.get("reasoning") is None
+                answers.append(answer.choices[0].message.content)
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert all(re.fullmatch(PATTERN, text or "") for text in answers), answers

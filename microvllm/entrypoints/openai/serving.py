@@ -36,10 +36,13 @@ from microvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedE
 from microvllm.engine.outputs import CompletionOutput, RequestOutput
 from microvllm.entrypoints.openai.chat_parsing import ChoiceParser, delta_dict, tool_call_dict
 from microvllm.entrypoints.openai.chat_utils import parse_chat_messages
+from microvllm.entrypoints.openai.forced_tool_calls import ForcedToolCallStream, forced_tool_calls
 from microvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
+from microvllm.entrypoints.openai.request_template import RenderError, render_bounded, request_chat_template
 from microvllm.entrypoints.openai.serving_models import OpenAIServingModels
 from microvllm.lora.request import LoRARequest
 from microvllm.sampling_params import SamplingParams
+from microvllm.structured_output.limits import check_spec
 from microvllm.tool_parsers.abstract_tool_parser import DeltaMessage
 
 logger = logging.getLogger(__name__)
@@ -105,11 +108,15 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None = None, *,
                  enable_auto_tool_choice: bool = False, tool_parser: type | None = None,
-                 reasoning_parser: type | None = None):
+                 reasoning_parser: type | None = None, trust_request_chat_template: bool = False):
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template   # --chat-template: replaces the model's
+        # --trust-request-chat-template: a request may bring its own (rendered bounded)
+        self.trust_request_chat_template = trust_request_chat_template
         self.max_model_len = engine.engine.config.scheduler_config.max_model_len
+        # The longest text that could fit the context (what a rendered chat may be)
+        self.max_text_chars = engine.engine.input_processor.max_text_chars()
         # --enable-auto-tool-choice --tool-call-parser NAME, --reasoning-parser NAME (chat_parsing.py)
         self.enable_auto_tool_choice, self.tool_parser = enable_auto_tool_choice, tool_parser
         self.reasoning_parser = reasoning_parser
@@ -136,11 +143,16 @@ class OpenAIServing:
     # ---------------------------------------------------------- prompts
     def check_request_size(self, params: SamplingParams) -> None:
         """Work one request may ask for, checked before any of it is done: ``n`` at most
-        ``$VLLM_MAX_N_SEQUENCES`` (vLLM's name; default 64 here)."""
+        ``$VLLM_MAX_N_SEQUENCES`` (vLLM's name; default 64 here); a constraint on the output
+        (``response_format``, required tools, strict tools' structural tag) within the
+        grammar limits (``structured_output/limits.py``), before the chat is even rendered."""
         max_n = envs.max_n_sequences()
         if params.n > max_n:
             raise ValueError(f"n={params.n} is more than this server allows ({max_n}, set by "
                              "$VLLM_MAX_N_SEQUENCES): ask for fewer samples per request")
+        structured = params.structured_outputs
+        if structured is not None:
+            check_spec(structured, structured.spec, self.engine.engine.config.structured_outputs_config)
 
     async def _prepare(self, prompt, params: SamplingParams, max_tokens: int | None, where: str,
                        max_tokens_field: str = "max_tokens") -> dict:
@@ -245,33 +257,62 @@ class OpenAIServing:
     # -------------------------------------------------------------- chat
     def render_chat(self, request: ChatCompletionRequest, where: str = "messages") -> dict:
         """The chat as text and token ids; raises ``ValueError`` naming what to change (``where``:
-        the field the client wrote the chat in, "messages" or /v1/responses' "input")."""
+        the field the client wrote the chat in, "messages" or /v1/responses' "input").
+
+        What the client sent is measured before anything runs on it, and what the template
+        made is measured before the tokenizer sees it::
+
+            (before: check_chat_size, the messages' text and the tools' JSON)
+            a template in the request     -> refused unless --trust-request-chat-template,
+                                             then rendered bounded (request_template.py)
+            the rendered text             -> check_text_fits   (a template can make any length)
+            tokenize
+        """
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so chat messages cannot be rendered")
-        dumped = [m.model_dump(exclude_none=True) for m in request.messages]
-        # 8 MB of chat would take seconds and gigabytes to render and tokenize: refused first.
-        self.engine.engine.check_text_fits(sum(_text_chars(m.get("content")) for m in dumped), f"{where}: the chat")
-        messages = parse_chat_messages(dumped)
-        chat_template = request.chat_template or self.chat_template
+        messages = parse_chat_messages([m.model_dump(exclude_none=True) for m in request.messages])
         template_kwargs = dict(request.chat_template_kwargs or {})
+        request_template = request_chat_template(request.chat_template, template_kwargs.pop("chat_template", None),
+                                                 self.trust_request_chat_template)
+        chat_template = request_template or self.chat_template
         if request.tools and request.tool_choice != "none":
             template_kwargs.setdefault("tools", request.tools)   # templates that know tools list them
+        render = functools.partial(tokenizer.render_chat_template, messages, request.add_generation_prompt,
+                                   chat_template=chat_template,
+                                   continue_final_message=request.continue_final_message,
+                                   chat_template_kwargs=template_kwargs)
+        which = "the chat_template given" if request_template else (
+            "the server's --chat-template" if chat_template else "the model's chat template")
         try:
-            rendered = tokenizer.chat_prompt(
-                messages, request.add_generation_prompt, chat_template=chat_template,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=template_kwargs)
-        except jinja2.TemplateSyntaxError as error:
-            raise ValueError(f"chat_template is not a valid Jinja template (line {error.lineno}: "
-                             f"{error.message}): fix or remove chat_template") from None
+            text = render_bounded(render, self.max_text_chars) if request_template is not None else render()
+        except (jinja2.TemplateSyntaxError, RenderError) as error:
+            if isinstance(error, jinja2.TemplateSyntaxError) or error.kind == "TemplateSyntaxError":
+                raise ValueError(f"chat_template is not a valid Jinja template (line {error.lineno}: "
+                                 f"{error.message}): fix or remove chat_template") from None
+            raise ValueError(f"{where}: {which} cannot render these messages ({error.kind}: {error.message}): "
+                             f"change the {where} or pass another chat_template") from None
         except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as error:
-            which = "the chat_template given" if chat_template else "the model's chat template"
             raise ValueError(f"{where}: {which} cannot render these messages ({type(error).__name__}: "
                              f"{error}): change the {where} or pass another chat_template") from None
+        self.engine.engine.check_text_fits(len(text), f"{where}: the chat as {which} rendered it", f"the {where}")
         if request.parses_tool_calls():
-            self._warn_if_tools_unseen(request, rendered["prompt"], chat_template)
-        return rendered
+            self._warn_if_tools_unseen(request, text, chat_template)
+        # The template wrote the special tokens itself: none are added when encoding.
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    def check_chat_size(self, request: ChatCompletionRequest, where: str = "messages") -> None:
+        """``ValueError`` if the chat's text and its tools' JSON could not fit the context,
+        known before anything renders them: 8 MB of messages or 10 MB of tools once took
+        seconds and gigabytes to render and tokenize (and a grammar compile, 20 GB)."""
+        chat_chars = sum(_text_chars(m.content) for m in request.messages)
+        tools_chars = len(json.dumps(request.tools)) if request.tools else 0
+        if not tools_chars:
+            self.engine.engine.check_text_fits(chat_chars, f"{where}: the chat")
+            return
+        self.engine.engine.check_text_fits(
+            chat_chars + tools_chars, f"tools: the chat with its {len(request.tools):,} tools "
+            f"({tools_chars:,} characters of tools)", f"the {where} or send fewer or shorter tools")
 
     def _warn_if_tools_unseen(self, request: ChatCompletionRequest, prompt: str, chat_template: str | None) -> None:
         """A template that leaves ``tools`` out of the prompt: the model cannot know it may
@@ -287,13 +328,15 @@ class OpenAIServing:
     async def create_chat_completion(self, request: ChatCompletionRequest):
         if self.enable_auto_tool_choice:
             request.enable_auto_tool_choice(self.tool_parser)
+        self.check_chat_size(request)
         params = request.to_sampling_params()
         self.check_request_size(params)
         prompt = await self.engine.run_on_tokenizer_thread(functools.partial(self.render_chat, request))
         prompt = await self._prepare(prompt, params, request.requested_max_tokens, "messages")
         request_id = random_id("chatcmpl")
         results = merge([self.engine.generate(prompt, params, request_id,
-                                              lora_request=self.lora_request(request.model))])
+                                              lora_request=self.lora_request(request.model),
+                                              reasoning_parser_kwargs=request.chat_template_kwargs)])
         first = await _first(results)
         if request.stream:
             return _closing(self._chat_events(request, request_id, first, results, params.logprobs), results)
@@ -310,7 +353,9 @@ class OpenAIServing:
                 message.update(reasoning=reasoning, tool_calls=tool_calls)
             elif tool_calls:
                 message["tool_calls"] = tool_calls
-            finish_reason = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
+            # OpenAI's (and vLLM's): "tool_calls" when calls ended the turn, but "stop" for a named function's
+            named = request.called_function() is not None
+            finish_reason = "tool_calls" if tool_calls and c.finish_reason == "stop" and not named else c.finish_reason
             choices.append({"index": c.index, "message": message,
                             "logprobs": _chat_logprobs(c, 0, params.logprobs) if params.logprobs is not None else None,
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
@@ -324,13 +369,16 @@ class OpenAIServing:
         return response
 
     def _chat_events(self, request, request_id, first, results, top_n) -> AsyncIterator[str]:
+        """The chat stream: per choice, each piece of text as reasoning, content or tool-call
+        pieces (``delta_dict``); a forced call (``tool_choice`` required or named) streams its
+        name, then its arguments, as the JSON grows (``forced_tool_calls.py``)."""
         created = int(time.time())
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         last = {"out": first[1]}
-        calls_tools = request.tool_call_schema() is not None
         continuous = _continuous_usage(request.stream_options)
         parsers = {i: self._choice_parser(request) for i in range(request.n)}
-        forced_text = dict.fromkeys(range(request.n), "")   # calls_tools: each choice's content so far
+        forced = ({i: ForcedToolCallStream(request.called_function()) for i in range(request.n)}
+                  if request.tool_call_schema() is not None else None)
 
         async def chunks():
             role = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -346,30 +394,29 @@ class OpenAIServing:
                     start = progress.advance(c.index, c)
                     if start is None:
                         continue
-                    parser = parsers[c.index]
-                    if calls_tools:   # the calls are sent whole, once the JSON is complete
-                        piece = parser.delta(c.delta_text, last=c.finish_reason is not None) if parser else None
-                        forced_text[c.index] += (piece.content or "") if piece else c.delta_text
-                        if c.finish_reason is not None:
-                            choices.append(_tool_call_chunk(request, c, forced_text[c.index], piece))
-                        elif piece is not None and piece.reasoning:   # the reasoning before them streams
-                            choices.append({"index": c.index, "delta": {"reasoning": piece.reasoning},
-                                            "logprobs": None, "finish_reason": None})
-                        continue
-                    if parser is not None:   # reasoning, content and tool-call pieces
-                        fields = delta_dict(parser.delta(c.delta_text, last=c.finish_reason is not None))
-                        if not fields and c.finish_reason is None:
-                            continue   # held back: a possible start of a tag
-                        finish_reason = c.finish_reason
-                        if parser.tools_called and finish_reason == "stop":
-                            finish_reason = "tool_calls"
-                        choices.append({"index": c.index, "delta": fields,
-                                        "logprobs": _chat_logprobs(c, start, top_n) if top_n is not None else None,
+                    logprobs = _chat_logprobs(c, start, top_n) if top_n is not None else None
+                    parser, finish_reason = parsers[c.index], c.finish_reason
+                    if parser is None and forced is None:   # plain text
+                        choices.append({"index": c.index, "delta": {"content": c.delta_text}, "logprobs": logprobs,
                                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
                         continue
-                    choices.append({"index": c.index, "delta": {"content": c.delta_text},
-                                    "logprobs": _chat_logprobs(c, start, top_n) if top_n is not None else None,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    if parser is not None:   # reasoning, content and (auto) tool-call pieces
+                        piece = parser.delta(c.delta_text, last=finish_reason is not None)
+                        if parser.tools_called and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    else:
+                        piece = DeltaMessage(content=c.delta_text or None)
+                    if forced is not None:   # the content is the calls' JSON: read as calls
+                        calls = forced[c.index]
+                        piece = DeltaMessage(reasoning=piece.reasoning, tool_calls=calls.feed(piece.content or ""))
+                        finish_reason = calls.finish_reason(finish_reason)
+                    if request.parallel_tool_calls is False:   # vLLM: only the first call goes out
+                        piece.tool_calls = [call for call in piece.tool_calls if call.index == 0]
+                    fields = delta_dict(piece)
+                    if not fields and finish_reason is None and logprobs is None:
+                        continue   # nothing to send yet (a tag held back, a call's name not whole)
+                    choices.append({"index": c.index, "delta": fields, "logprobs": logprobs,
+                                    "finish_reason": finish_reason, "stop_reason": c.stop_reason})
                 if choices:
                     yield {**head, "choices": choices, "usage": usage() if continuous else None}
 
@@ -446,46 +493,17 @@ def parse_choice(request: ChatCompletionRequest, parser: ChoiceParser | None,
     """A whole choice's (reasoning, content, tool calls as the API writes them): the
     reasoning split off first (``--reasoning-parser``); then the calls the model wrote in
     its own format (``tool_choice="auto"``, the tool parser) or, when a call was required,
-    the JSON the content was constrained to (``_tool_calls``)."""
+    the JSON the content was constrained to (``forced_tool_calls``). With
+    ``parallel_tool_calls: false`` only the first call is kept (vLLM's rule)."""
     reasoning, content, calls = None, text, []
     if parser is not None:
         reasoning, content, parsed = parser.whole(text)
         calls = [tool_call_dict(call) for call in parsed]
-    forced = _tool_calls(request, content or "")
-    if forced is not None:
-        return reasoning, None, forced
+    if request.tool_call_schema() is not None:
+        content, calls = None, forced_tool_calls(request.called_function(), content or "")
+    if request.parallel_tool_calls is False:
+        calls = calls[:1]
     return reasoning, content, calls
-
-
-def _tool_calls(request: ChatCompletionRequest, text: str) -> list[dict] | None:
-    """The tool calls in a choice whose output was constrained to the tools' schema
-    (``tool_choice`` required or named); None if there was none or the JSON is cut short
-    (``finish_reason="length"``: then the text is returned as content)."""
-    if request.tool_call_schema() is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    name = request.called_function()
-    calls = [{"name": name, "parameters": value}] if name is not None else value
-    return [{"id": random_id("call"), "type": "function",
-             "function": {"name": call["name"], "arguments": json.dumps(call["parameters"])}}
-            for call in calls]
-
-
-def _tool_call_chunk(request: ChatCompletionRequest, c: CompletionOutput, text: str,
-                     piece: DeltaMessage | None = None) -> dict:
-    """The last chunk of a choice whose calls were required: the calls (or, cut short, the
-    text); ``piece``: the last reasoning the parser gave back, if any."""
-    tool_calls = _tool_calls(request, text)
-    delta: dict = {"reasoning": piece.reasoning} if piece is not None and piece.reasoning else {}
-    if tool_calls is None:
-        return {"index": c.index, "delta": {**delta, "content": text}, "logprobs": None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-    return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls",
-            "stop_reason": c.stop_reason}
 
 
 class ServerShuttingDown(RuntimeError):
