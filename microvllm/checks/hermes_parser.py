@@ -44,8 +44,9 @@ HINT_TWICE = ("arguments emitted twice: the client concatenates every fragment, 
               "sent before, arguments[self.arguments_sent:], and add their number to self.arguments_sent (also at "
               "the close: what streamed before is not sent again)")
 HINT_TWO_CALLS = ("the second call was merged into the first (or lost): each <tool_call> starts a new call, so on "
-                  "entering one reset its state (self.body = '', self.current_tool_name_sent = False, "
-                  "self.arguments_sent = 0); send_call then gives it the next index")
+                  "entering one reset its state (self.body = '', self.scan = CallScan(), "
+                  "self.current_tool_name_sent = False, self.arguments_sent = 0); send_call then gives it the "
+                  "next index")
 HINT_NAME_ONCE = ("a call's first piece (its name, a new index and id) went out more than once: send it once per call, "
                   "when the name is first known, and set self.current_tool_name_sent = True")
 HINT_INDEX = ("call indices count the calls of the message from 0: self.current_tool_id starts at -1 and goes up by "
@@ -58,7 +59,8 @@ HINT_AFTER = ("the text after a call is content: on </tool_call>, keep what foll
 HINT_LOOP = ("the same pieces came, but a delta later than they could: after a call closes, go on with the rest of "
              "the buffer in the same step (loop: more text or another call may follow in the same delta)")
 HINT_SOON = ("send what is certain in the step that makes it certain: content that cannot begin <tool_call>, and "
-             "inside a call what streamable_call(self.body) knows (send_call in every step, not only at the close)")
+             "inside a call what self.scan.streamable_call(self.body) knows (send_call in every step, not only at "
+             "the close)")
 HINT_UNCLOSED = ("at the end of the stream (end_of_stream=True) a call left open closes as it is: add what is held "
                  "back to its body and parse it as at </tool_call> (a call if parse_call finds one, else its text, "
                  "<tool_call> included, is content)")

@@ -9,17 +9,21 @@ Qwen2.5's and Qwen3's chat templates teach:
     {"name": "get_time", "arguments": {"tz": "CET"}}
     </tool_call>
 
-Whole message: ``content`` is the text outside every call ("I'll check both." and the
-newline between the calls), each call a ``ToolCall`` whose ``arguments`` is the JSON text
-exactly as the model wrote it. A call whose JSON does not parse stays in ``content``, tags
-and all; a call left open at the end of the message still counts if its JSON is whole.
+Whole message: ``content`` is the text outside every call ("I'll check both."), each call a
+``ToolCall`` whose ``arguments`` is the JSON text exactly as the model wrote it. Whitespace
+alone between or around calls (the newline between the two above) is not content: vLLM
+keeps none after the first call, and a client would show a message of one newline. A call
+whose JSON does not parse stays in ``content``, tags and all, and so does one nested deeper
+than ``scanning.MAX_DEPTH`` (no text the model writes makes a parser raise); a call left
+open at the end of the message still counts if its JSON is whole.
 
 Streaming: a state machine over the text, one delta at a time (``parse_delta``)::
 
     outside ──"<tool_call>"──> inside ──"</tool_call>"──> outside
       │ content, minus a held-back     │ the name, once its string is whole; then the
       │ possible start of the tag      │ arguments' JSON text as it arrives (while the
-                                       │ arguments value is still open: ``streamable_call``)
+      │ (whitespace alone waits:       │ arguments value is still open: ``CallScan``,
+      │ ``add_content``)               │ which reads each character of the body once)
 
 Concatenating every delta's content and every call's argument fragments gives the same
 content and arguments as the whole-message parse, however the text was cut into deltas
@@ -27,8 +31,8 @@ content and arguments as the whole-message parse, however the text was cut into 
 well formed. (vLLM's whole-message parse keeps only the text before the first call.)
 
 ``parse_delta`` and ``send_call`` are exercise 21 (``python -m microvllm course build 21``
-cuts their marked bodies out); ``split_held_back``, ``streamable_call`` and ``parse_call``
-are given to the learner.
+cuts their marked bodies out); ``split_held_back``, ``CallScan``, ``parse_call`` and
+``add_content`` are given to the learner.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from microvllm.tool_parsers.abstract_tool_parser import (
     random_tool_call_id,
     triggered_tags,
 )
+from microvllm.tool_parsers.scanning import JsonScanner, loads
 from microvllm.tool_parsers.streaming import split_held_back
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -58,7 +63,8 @@ def object_members(text: str) -> tuple[dict[str, tuple[int, int]], bool]:
     """Where each member's value of the JSON object in ``text`` lies, as far as ``text``
     goes: ({key: (start, end) of its value's text}, whether the object is closed). A value
     still being written is left out. Raises ``ValueError`` for text that is not (the start
-    of) an object."""
+    of) an object. It decodes each member: call it on a body ``loads`` has accepted (no
+    deeper than ``MAX_DEPTH``), once, not at every delta."""
     members: dict[str, tuple[int, int]] = {}
     at = _skip(text, 0)
     if at == len(text):
@@ -78,7 +84,7 @@ def object_members(text: str) -> tuple[dict[str, tuple[int, int]], bool]:
                 return members, False
         try:
             key, at = _DECODER.raw_decode(text, at)
-        except json.JSONDecodeError:
+        except ValueError:
             return members, False   # the key is still being written (or broken: the close decides)
         at = _skip(text, at)
         if at == len(text):
@@ -88,7 +94,7 @@ def object_members(text: str) -> tuple[dict[str, tuple[int, int]], bool]:
         start = _skip(text, at + 1)
         try:
             _, end = _DECODER.raw_decode(text, start)
-        except json.JSONDecodeError:
+        except ValueError:
             return members, False
         if end == len(text) and text[start] not in "{[\"tfn":   # a number may go on: 12 -> 123
             return members, False
@@ -102,55 +108,99 @@ def _skip(text: str, at: int) -> int:
     return at
 
 
+class CallScan:
+    """What is certain of one call still being written, read as its body grows: each
+    character once. ``streamable_call(body)`` is given the body so far at every delta and
+    reads only what was added since the last time (from ``self.at``): parsing the whole body
+    again at every delta would cost O(length) per delta, O(length²) for a long call (2,000
+    arguments took seconds, on the event loop every other stream waits on).
+
+    It follows the shape every model writes, one piece after another (``SHAPE``)::
+
+        {  "name"  :  "get_weather"  ,  "arguments"  :  {"city": "Par...
+        0    1    2        3         4       5       6  7 (the value: a JsonScanner finds its end)
+
+    A body of another shape (the arguments first, a number as the name) streams nothing
+    more from where it differs (``stuck``): the close decides (``parse_call``)."""
+
+    SHAPE = ("{", "name", ":", "the name", ",", "arguments", ":", "the value")
+
+    def __init__(self) -> None:
+        self.at = 0                # the next character of the body to read
+        self.step = 0              # which piece of SHAPE comes next
+        self.string: JsonScanner | None = None   # a key or the name being read
+        self.name: str | None = None
+        self.arguments_start: int | None = None
+        self.value: JsonScanner | None = None    # the arguments' value being read
+        self.stuck = False
+
+    def streamable_call(self, body: str) -> tuple[str | None, str | None]:
+        """(the name, once its string is whole; the arguments' JSON text written so far, once
+        their value has begun with {, [ or a string), None for what is not certain yet::
+
+            {"name": "get_wea                       -> (None, None)
+            {"name": "get_weather", "argu           -> ("get_weather", None)
+            {"name": "get_weather", "arguments": {"ci   -> ("get_weather", '{"ci')
+            {"name": "get_weather", "arguments": {"city": "Paris"}}   -> (.., '{"city": "Paris"}')
+
+        The arguments never run past their value's end (nor past ``MAX_DEPTH`` brackets), so
+        the text sent while streaming is always a beginning of what ``parse_call`` finds at
+        the close."""
+        while not self.stuck and self.value is None and self.read_piece(body):
+            pass   # one piece of SHAPE per turn
+        if self.value is None or self.arguments_start is None:
+            return self.name, None
+        end = self.value.scan(body)
+        return self.name, body[self.arguments_start:end if end is not None else self.value.at]
+
+    def read_piece(self, body: str) -> bool:
+        """Read the next piece of SHAPE if it is whole; False: wait for more (or stuck)."""
+        if self.string is None:
+            self.at = _skip(body, self.at)
+            if self.at == len(body):
+                return False
+        piece = self.SHAPE[self.step]
+        if piece in ("{", ":", ","):
+            self.stuck = body[self.at] != piece
+            self.at += 1
+        elif piece == "the value":
+            self.stuck = body[self.at] not in '{["'   # a number could still grow: the close decides
+            if not self.stuck:
+                self.arguments_start, self.value = self.at, JsonScanner(self.at)
+            return False
+        else:   # a string: the key "name", the name, the key "arguments"
+            if self.string is None:
+                if body[self.at] != '"':
+                    self.stuck = True
+                    return False
+                self.string = JsonScanner(self.at)
+            end = self.string.scan(body)
+            if end is None:
+                return False
+            value, self.string, self.at = _string(body[self.at:end]), None, end
+            if piece == "the name":
+                self.name = value
+                self.stuck = value is None
+            else:
+                self.stuck = value != piece
+        if not self.stuck:
+            self.step += 1
+        return not self.stuck
+
+
+def _string(text: str) -> str | None:
+    """A whole JSON string's text decoded, or None if it is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 def streamable_call(body: str) -> tuple[str | None, str | None]:
-    """What is certain of a call still being written, ``body`` being its text so far:
-    (its name, once the name's string is whole and it is the object's first member; the
-    arguments' JSON text written so far, once the member after the name is "arguments" and
-    its value has begun with {, [ or a string). None for what is not certain yet::
-
-        {"name": "get_wea                       -> (None, None)
-        {"name": "get_weather", "argu           -> ("get_weather", None)
-        {"name": "get_weather", "arguments": {"ci   -> ("get_weather", '{"ci')
-        {"name": "get_weather", "arguments": {"city": "Paris"}}   -> (.., '{"city": "Paris"}')
-
-    The arguments never run past their value's end, so the text sent while streaming is
-    always a beginning of what ``parse_call`` finds at the close."""
-    try:
-        members, _ = object_members(body)
-    except ValueError:
-        return None, None   # not a call: the close decides (it becomes text)
-    if not members or next(iter(members)) != "name":
-        return None, None   # the name must come first to be streamed; else all at the close
-    start, end = members["name"]
-    name = json.loads(body[start:end])
-    if not isinstance(name, str):
-        return None, None
-    arguments_start = _arguments_start(body)
-    if arguments_start is None:
-        return name, None
-    value_end = members["arguments"][1] if "arguments" in members else len(body)
-    return name, body[arguments_start:value_end]
-
-
-def _arguments_start(body: str) -> int | None:
-    """Where the arguments' value starts, if the member after the name is "arguments"
-    and its value has begun with {, [ or a string (a number could still grow)."""
-    at = body.find('"arguments"')
-    if at < 0:
-        return None
-    try:
-        members, _ = object_members(body[:at])
-    except ValueError:
-        return None
-    if list(members) != ["name"]:
-        return None
-    colon = _skip(body, at + len('"arguments"'))
-    if colon == len(body) or body[colon] != ":":
-        return None
-    start = _skip(body, colon + 1)
-    if start == len(body) or body[start] not in "{[\"":
-        return None
-    return start
+    """``CallScan().streamable_call(body)``: what is certain of a call whose body so far is
+    ``body``, read from its beginning (a stream keeps one ``CallScan`` per call instead)."""
+    return CallScan().streamable_call(body)
 
 
 def add_content(delta: DeltaMessage, text: str) -> None:
@@ -160,10 +210,11 @@ def add_content(delta: DeltaMessage, text: str) -> None:
 
 
 def parse_call(body: str) -> tuple[str, str] | None:
-    """(name, arguments JSON text) of one call's body, or None if it is not a call."""
+    """(name, arguments JSON text) of one call's body, or None if it is not a call (not
+    JSON, not a call's object, or nested deeper than ``MAX_DEPTH``)."""
     try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
+        value = loads(body)
+    except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -177,7 +228,7 @@ def parse_call(body: str) -> tuple[str, str] | None:
 class Hermes2ProToolParser(ToolParser):
     """vLLM's class name for the ``hermes`` parser (``ToolParserManager`` registers it)."""
 
-    def __init__(self, tokenizer=None):
+    def __init__(self, tokenizer=None) -> None:
         super().__init__(tokenizer)
         self.buffer = ""            # text received but not handled yet: a possible start of a tag
         self.in_call = False        # between <tool_call> and </tool_call>
@@ -185,27 +236,33 @@ class Hermes2ProToolParser(ToolParser):
         self.current_tool_id = -1   # index of the call being streamed (vLLM's name)
         self.current_tool_name_sent = False
         self.arguments_sent = 0     # characters of its arguments sent so far
+        self.scan = CallScan()      # what is certain of the current call's body, read once
+        self.blank: str | None = ""   # whitespace outside calls held back (None: other text came)
+        self.blank_after = -1       # ... since the call of this index (-1: since the start)
 
     # ------------------------------------------------------------ whole message
     def extract_tool_calls(self, model_output: str, request=None) -> ExtractedToolCallInformation:
-        content: list[str] = []
+        gaps = [""]   # the text before, between and after the calls
         calls: list[ToolCall] = []
-        rest = model_output
+        at = 0
         while True:
-            start = rest.find(TOOL_CALL_START)
+            start = model_output.find(TOOL_CALL_START, at)
             if start < 0:
-                content.append(rest)
+                gaps[-1] += model_output[at:]
                 break
-            content.append(rest[:start])
-            rest = rest[start + len(TOOL_CALL_START):]
-            end = rest.find(TOOL_CALL_END)
-            body, rest, closed = (rest[:end], rest[end + len(TOOL_CALL_END):], True) if end >= 0 else (rest, "", False)
-            call = parse_call(body)
+            gaps[-1] += model_output[at:start]
+            body_start = start + len(TOOL_CALL_START)
+            end = model_output.find(TOOL_CALL_END, body_start)
+            closed = end >= 0
+            end = end if closed else len(model_output)
+            at = end + len(TOOL_CALL_END) if closed else end
+            call = parse_call(model_output[body_start:end])
             if call is None:   # not a call after all: it stays text
-                content.append(TOOL_CALL_START + body + (TOOL_CALL_END if closed else ""))
+                gaps[-1] += model_output[start:at]
             else:
                 calls.append(ToolCall(FunctionCall(*call)))
-        text = "".join(content)
+                gaps.append("")
+        text = "".join(gap for gap in gaps if not (calls and gap.isspace()))   # whitespace alone is not content
         return ExtractedToolCallInformation(bool(calls), calls, text or None)
 
     # ------------------------------------------------------------ strict tool calls
@@ -225,23 +282,45 @@ class Hermes2ProToolParser(ToolParser):
 
     def finish_streaming(self) -> DeltaMessage | None:
         delta = self.parse_delta("", end_of_stream=True)
+        if self.current_tool_id < 0 and self.blank:   # a message of whitespace only: that is its content
+            add_content(delta, self.blank)
+        self.blank = ""
         return None if delta.is_empty() else delta
+
+    def add_content(self, delta: DeltaMessage, text: str) -> None:
+        """Add ``text`` (outside every call) to ``delta``'s content; but whitespace alone
+        between or around calls is not content (vLLM sends none after the first call; a
+        client would show the newline between two calls as a message of its own). While the
+        text since the last call is only whitespace it waits in ``self.blank``: a call drops
+        it, other text takes it along::
+
+            "Sure.<tool_call>..</tool_call>\\n<tool_call>..</tool_call>\\n"
+             └sent┘                        └┘ dropped                 └┘ dropped
+        """
+        if self.blank_after != self.current_tool_id:   # a call went out since: a new gap
+            self.blank, self.blank_after = "", self.current_tool_id
+        if self.blank is not None:   # nothing but whitespace since the last call, so far
+            if not text or text.isspace():
+                self.blank += text
+                return
+            text, self.blank = self.blank + text, None
+        add_content(delta, text)
 
     def parse_delta(self, delta_text: str, *, end_of_stream: bool = False) -> DeltaMessage:
         """One step of the state machine: what ``delta_text`` adds (``end_of_stream``: nothing
         more will come, so nothing may stay held back)::
 
             buffer += delta_text, then, until nothing more is certain:
-              outside a call   "<tool_call>" in the buffer: the text before it is content,
-                               enter the call (a fresh body, its name not sent, 0 argument
-                               characters sent); else send what cannot begin the tag
-                               (split_held_back), keep the rest
+              outside a call   "<tool_call>" in the buffer: the text before it is content
+                               (self.add_content), enter the call (a fresh body and CallScan,
+                               its name not sent, 0 argument characters sent); else send what
+                               cannot begin the tag (split_held_back), keep the rest
               inside a call    "</tool_call>" in the buffer: the body ends before it, close
                                the call (parse_call: send what is left of it, or give the
                                whole tagged text back as content if it is not a call and
                                nothing of it was sent), go on outside with the rest; else
                                move what cannot begin the end tag into the body and send
-                               what is certain of it (streamable_call)
+                               what is certain of it (self.scan.streamable_call)
               end of stream    a call left open closes as it is (no end tag); the text
                                held back outside a call is content after all
         """
@@ -256,18 +335,18 @@ class Hermes2ProToolParser(ToolParser):
                         safe, self.buffer = self.buffer, ""
                     else:
                         safe, self.buffer = split_held_back(self.buffer, TOOL_CALL_START)
-                    add_content(delta, safe)
+                    self.add_content(delta, safe)
                     return delta
-                add_content(delta, self.buffer[:start])
+                self.add_content(delta, self.buffer[:start])
                 self.buffer = self.buffer[start + len(TOOL_CALL_START):]
-                self.in_call, self.body = True, ""
+                self.in_call, self.body, self.scan = True, "", CallScan()
                 self.current_tool_name_sent, self.arguments_sent = False, 0
                 continue
             end = self.buffer.find(TOOL_CALL_END)
             if end < 0 and not end_of_stream:
                 safe, self.buffer = split_held_back(self.buffer, TOOL_CALL_END)
                 self.body += safe
-                self.send_call(delta, *streamable_call(self.body))
+                self.send_call(delta, *self.scan.streamable_call(self.body))
                 return delta
             closed = end >= 0
             self.body += self.buffer[:end] if closed else self.buffer
@@ -276,7 +355,7 @@ class Hermes2ProToolParser(ToolParser):
             if call is not None:
                 self.send_call(delta, *call)
             elif not self.current_tool_name_sent:   # not a call after all: it was text
-                add_content(delta, TOOL_CALL_START + self.body + (TOOL_CALL_END if closed else ""))
+                self.add_content(delta, TOOL_CALL_START + self.body + (TOOL_CALL_END if closed else ""))
             self.in_call, self.body = False, ""
         ### END SOLUTION
 

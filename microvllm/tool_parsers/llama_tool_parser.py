@@ -15,70 +15,84 @@ content. (vLLM's whole-message parse looks for objects anywhere in the text and 
 text around them; its stream reads calls only from the start, as this one does.)
 
 Streaming (``ReparsingToolParser``): a call is sent whole, name then arguments, the moment
-its object closes; text at the start waits until it is clear whether calls begin; an
-object still open when the stream ends is text, since its arguments are not known.
+its object closes (a ``JsonScanner`` reads the object once as it grows, so nothing is decoded
+before it is whole, and only once); text at the start waits until it is clear whether calls
+begin; an object still open when the stream ends is text, since its arguments are not known;
+so is one nested deeper than ``scanning.MAX_DEPTH`` or not JSON at all.
 """
 
 from __future__ import annotations
 
-import json
-
-from microvllm.tool_parsers.reparse import Parsed, ReparsingToolParser, may_become, skip_whitespace
+from microvllm.tool_parsers.reparse import ReparsingToolParser, may_become, skip_whitespace
+from microvllm.tool_parsers.scanning import JsonScanner, dumps, loads
 
 PYTHON_TAG = "<|python_tag|>"
-_DECODER = json.JSONDecoder()
 
 
-def read_call(text: str, at: int) -> tuple[str, str, int] | None | bool:
-    """The call whose object starts at ``at``: (name, arguments JSON, where it ends); None if
-    it is not a call; False if its object is not closed yet (or never will be: the stream's
-    end decides)."""
-    if text[at] != "{":
-        return None
+def read_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one whole call object's text, or None if it is not a call."""
     try:
-        value, end = _DECODER.raw_decode(text, at)
-    except json.JSONDecodeError:
-        return False
-    arguments = value.get("parameters", value.get("arguments"))
-    if not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
+        value = loads(text)
+    except ValueError:   # not JSON, or nested too deep to decode safely
         return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False), end
-
-
-def parse_llama3_json(text: str, final: bool) -> Parsed:
-    start = skip_whitespace(text, 0)
-    if text.startswith(PYTHON_TAG, start):
-        at = start + len(PYTHON_TAG)
-    elif text.startswith("{", start):
-        at = start
-    elif not final and may_become(text[start:], PYTHON_TAG):
-        return Parsed()   # calls may still begin: hold the text back
-    else:
-        return Parsed(text)
-    parsed = Parsed()
-    while True:
-        at = skip_whitespace(text, at)
-        if at == len(text):
-            return parsed   # nothing more yet (final: the calls end here)
-        call = read_call(text, at)
-        if call is False and not final:
-            return parsed   # an object still being written
-        if not isinstance(call, tuple):   # not a call: text from here on
-            parsed.content = text[at:] if parsed.calls else text
-            return parsed
-        name, arguments, at = call
-        parsed.calls.append((name, arguments))
-        after = skip_whitespace(text, at)
-        if after == len(text):
-            return parsed
-        if text[after] != ";":
-            parsed.content = text[after:]
-            return parsed
-        at = after + 1
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("parameters", value.get("arguments"))
+    return (value["name"], dumps(arguments)) if isinstance(arguments, dict) else None
 
 
 class Llama3JsonToolParser(ReparsingToolParser):
     """vLLM's class for ``llama3_json`` (and ``llama4_json``)."""
 
-    def parse(self, text: str, final: bool, request=None) -> Parsed:
-        return parse_llama3_json(text, final)
+    def __init__(self, tokenizer=None) -> None:
+        super().__init__(tokenizer)
+        self.phase = "start"   # start: may calls begin?  call: an object next  after: ";" next  text: content
+        self.scanner: JsonScanner | None = None   # the call object being written, read so far
+
+    def read(self, final: bool) -> None:
+        text = self.text
+        while True:
+            if self.phase == "text":
+                self.add_content(text[self.at:])
+                self.at = len(text)
+                return
+            self.at = skip_whitespace(text, self.at)   # whitespace is never read twice either
+            at = self.at
+            if self.phase == "start":
+                if text.startswith(PYTHON_TAG, at):
+                    self.at, self.phase = at + len(PYTHON_TAG), "call"
+                elif text.startswith("{", at):
+                    self.phase = "call"
+                elif not final and may_become(text, at, PYTHON_TAG):
+                    return   # calls may still begin: hold the text back
+                else:
+                    self.to_text(at)
+            elif at == len(text):
+                if final and not self.calls:   # a tag and no call: the message is text
+                    self.to_text(0)
+                    continue
+                return   # nothing more yet (final: the calls end here)
+            elif self.phase == "after":
+                if text[at] == ";":
+                    self.at, self.phase = at + 1, "call"
+                else:
+                    self.to_text(at)
+            elif self.scanner is None and text[at] != "{":
+                self.to_text(at)
+            else:
+                self.scanner = self.scanner or JsonScanner(at)
+                end = self.scanner.scan(text)
+                if end is None and not self.scanner.too_deep and not final:
+                    return   # an object still being written
+                self.scanner = None
+                call = read_call(text[at:end]) if end is not None else None
+                if end is None or call is None:   # not a call (or nested too deep): text from here on
+                    self.to_text(at)
+                    continue
+                self.start_call(call[0])
+                self.add_arguments(call[1])
+                self.at, self.phase = end, "after"
+
+    def to_text(self, at: int) -> None:
+        """The rest of the message is content: from ``at``, or all of it if no call came before."""
+        self.at, self.phase = (at if self.calls else 0), "text"

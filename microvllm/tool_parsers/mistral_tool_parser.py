@@ -20,32 +20,32 @@ lets vLLM stream from the token ids instead, which this parser does not need).
 Mistral's chat templates accept only ids of 9 letters and digits (``MistralToolCall``), so
 the calls get such ids. Streaming (``ReparsingToolParser``): content is sent as it comes,
 less a possible start of ``[TOOL_CALLS]``; each call is sent whole (name, then arguments)
-once its JSON closes (the list form: all of its calls when the list closes); a call still
-open when the stream ends is content, since its arguments are not known.
+once its JSON closes (the list form: all of its calls when the list closes; a
+``JsonScanner`` reads the JSON once as it grows, and it is decoded once, when whole); a call
+still open when the stream ends is content, since its arguments are not known, and so is
+JSON nested deeper than ``scanning.MAX_DEPTH``.
 """
 
 from __future__ import annotations
 
-import json
 import random
+import re
 import string
 
-from microvllm.tool_parsers.reparse import Parsed, ReparsingToolParser, may_become, skip_whitespace
-from microvllm.tool_parsers.streaming import split_held_back
+from microvllm.tool_parsers.reparse import ReparsingToolParser, match_end, may_become, skip_whitespace
+from microvllm.tool_parsers.scanning import JsonScanner, dumps, loads
+from microvllm.tool_parsers.streaming import partial_tag_length
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
-NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "_-.")
-_DECODER = json.JSONDecoder()
-_UNFINISHED = "unfinished"   # the calls after a marker are still being written
+NAME = re.compile(r"[A-Za-z0-9_.-]*")   # a function's name (the v11+ form)
 
 
-def read_list(text: str, at: int) -> tuple[list[tuple[str, str]], int] | None | str:
-    """The calls of the JSON list at ``at``: (calls, where the list ends), None if it is
-    not a list of calls, ``_UNFINISHED`` if the list is not closed yet."""
+def read_list(text: str) -> list[tuple[str, str]] | None:
+    """The calls of a whole JSON list's text, or None if it is not a list of calls."""
     try:
-        value, end = _DECODER.raw_decode(text, at)
-    except json.JSONDecodeError:
-        return _UNFINISHED
+        value = loads(text)
+    except ValueError:   # not JSON, or nested too deep to decode safely
+        return None
     if not isinstance(value, list) or not value:
         return None
     calls = []
@@ -53,67 +53,125 @@ def read_list(text: str, at: int) -> tuple[list[tuple[str, str]], int] | None | 
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)
                 and isinstance(call.get("arguments", {}), dict)):
             return None
-        calls.append((call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
-    return calls, end
-
-
-def read_named(text: str, at: int) -> tuple[list[tuple[str, str]], int] | None | str:
-    """``NAME[CALL_ID]ID[ARGS]{...}`` at ``at`` (the v11+ form), as ``read_list`` answers."""
-    end = at
-    while end < len(text) and text[end] in NAME_CHARACTERS:
-        end += 1
-    name = text[at:end]
-    if end == len(text):
-        return _UNFINISHED
-    if not name:
-        return None
-    if text.startswith(CALL_ID, end):
-        end += len(CALL_ID)
-        while end < len(text) and text[end].isalnum():
-            end += 1
-    for marker in (CALL_ID, ARGS):
-        if may_become(text[end:], marker):
-            return _UNFINISHED
-    if text.startswith(ARGS, end):
-        end += len(ARGS)
-    if end == len(text):
-        return _UNFINISHED
-    if text[end] != "{":
-        return None
-    try:
-        arguments, end = _DECODER.raw_decode(text, end)
-    except json.JSONDecodeError:
-        return _UNFINISHED
-    return [(name, json.dumps(arguments, ensure_ascii=False))], end
-
-
-def parse_mistral(text: str, final: bool) -> Parsed:
-    parsed, at = Parsed(), 0
-    while True:
-        marker = text.find(TOOL_CALLS, at)
-        if marker < 0:
-            parsed.content += text[at:] if final else split_held_back(text[at:], TOOL_CALLS)[0]
-            return parsed
-        parsed.content += text[at:marker]
-        start = skip_whitespace(text, marker + len(TOOL_CALLS))
-        found = _UNFINISHED if start == len(text) else (
-            read_list(text, start) if text[start] == "[" else read_named(text, start))
-        if found == _UNFINISHED and not final:
-            return parsed
-        if not isinstance(found, tuple):   # not calls: text from the marker on
-            parsed.content += text[marker:]
-            return parsed
-        calls, at = found
-        parsed.calls += calls
+        calls.append((call["name"], dumps(call.get("arguments", {}))))
+    return calls
 
 
 class MistralToolParser(ReparsingToolParser):
-    """vLLM's class for ``mistral``."""
+    """vLLM's class for ``mistral``. After each ``[TOOL_CALLS]`` the reading goes through
+    these phases (each keeps its place in the text between deltas)::
 
-    def parse(self, text: str, final: bool, request=None) -> Parsed:
-        return parse_mistral(text, final)
+        outside ─[TOOL_CALLS]─> marker ─"["──> json (a list) ─────────────────────────> outside
+                                  └─a name─> name ─> after_name ─[CALL_ID]─> id ─┐
+                                                        └──────────────────────> args
+        args ─([ARGS])─> object ─"{"─> json (the arguments) ─> outside
+        anything else: text (the rest of the message, from the marker on, is content)
+    """
+
+    def __init__(self, tokenizer=None) -> None:
+        super().__init__(tokenizer)
+        self.phase = "outside"
+        self.marker = 0        # where the last [TOOL_CALLS] began
+        self.name_start = 0    # the v11+ form: where the call's name began
+        self.name = ""
+        self.scanner: JsonScanner | None = None   # the JSON being written, read so far
+
+    def read(self, final: bool) -> None:
+        text = self.text
+        while self.step(text, final):
+            pass   # each step reads on in one phase, or says to wait
+
+    def step(self, text: str, final: bool) -> bool:
+        """Read on in the current phase; False: wait for more text (or the end came)."""
+        at = self.at
+        if self.phase == "text":
+            self.add_content(text[at:])
+            self.at = len(text)
+            return False
+        if self.phase == "outside":
+            marker = text.find(TOOL_CALLS, at)
+            if marker < 0:   # all content, less a possible start of the marker
+                self.at = len(text) if final else len(text) - partial_tag_length(text, TOOL_CALLS, at)
+                self.add_content(text[at:self.at])
+                return False
+            self.add_content(text[at:marker])
+            self.marker, self.at, self.phase = marker, marker + len(TOOL_CALLS), "marker"
+            return True
+        if self.phase == "marker":
+            self.at = at = skip_whitespace(text, at)
+            if at < len(text):
+                self.phase, self.name_start = "json" if text[at] == "[" else "name", at
+                return True
+        elif self.phase == "name":
+            self.at = at = match_end(NAME, text, at)   # the name's characters, each read once
+            if at < len(text):
+                self.name = text[self.name_start:at]
+                if self.name:
+                    self.phase = "after_name"
+                else:
+                    self.to_text()
+                return True
+        elif self.phase == "after_name":
+            if text.startswith(CALL_ID, at):
+                self.at, self.phase = at + len(CALL_ID), "id"
+                return True
+            if not may_become(text, at, CALL_ID):
+                self.phase = "args"
+                return True
+        elif self.phase == "id":   # skipped: the server makes its own ids
+            while at < len(text) and text[at].isalnum():
+                at += 1
+            self.at = at
+            if at < len(text):
+                self.phase = "args"
+                return True
+        elif self.phase == "args":   # an optional [ARGS]
+            if not (may_become(text, at, CALL_ID) or may_become(text, at, ARGS)):
+                self.at = at + len(ARGS) if text.startswith(ARGS, at) else at
+                self.phase = "object"
+                return True
+        elif self.phase == "object":   # the arguments' object must begin here
+            if at < len(text):
+                if text[at] == "{":
+                    self.phase = "json"
+                else:
+                    self.to_text()
+                return True
+        else:   # "json": the list, or the object of arguments, being written
+            self.scanner = self.scanner or JsonScanner(at)
+            end = self.scanner.scan(text)
+            if end is not None or self.scanner.too_deep:
+                self.scanner = None
+                calls = self.calls_in(text[at:end]) if end is not None else None
+                if end is None or calls is None:
+                    self.to_text()
+                    return True
+                for name, arguments in calls:
+                    self.start_call(name)
+                    self.add_arguments(arguments)
+                self.at, self.phase = end, "outside"
+                return True
+        if final:   # the end came before the calls were whole: they are text
+            self.to_text()
+            return True
+        return False   # the calls after the marker are still being written
+
+    def calls_in(self, json_text: str) -> list[tuple[str, str]] | None:
+        """The calls of the whole JSON after a marker (a list, or the v11+ form's arguments)."""
+        if json_text.startswith("["):
+            return read_list(json_text)
+        try:
+            arguments = loads(json_text)
+        except ValueError:   # not JSON, or nested too deep to decode safely
+            return None
+        return [(self.name, dumps(arguments))]
+
+    def to_text(self) -> None:
+        """The marker's calls do not parse: the rest of the message, from the marker, is content."""
+        self.at, self.phase = self.marker, "text"
 
     def new_id(self) -> str:
         """Nine letters and digits, the only ids Mistral's templates accept (vLLM:
         ``MistralToolCall.generate_random_id``)."""
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+

@@ -37,7 +37,9 @@ may be the one before it); any other parameter once its ``</parameter>`` is writ
 its type may turn the whole value into something else (``nul`` is text, ``null`` is null);
 the closing ``}`` when the call ends. A call still open when the stream ends counts, with
 what was written of it: a parameter cut off mid-value keeps its value so far (as vLLM's
-parser closes what is open), one cut off mid-name is left out.
+parser closes what is open), one cut off mid-name is left out. Each character is read once:
+the search for a value's ``</parameter>`` goes on from where the last delta's stopped, and
+a string value's new characters are escaped and sent without touching the old ones.
 """
 
 from __future__ import annotations
@@ -45,16 +47,18 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 from typing import Any
 
 from microvllm.tool_parsers.abstract_tool_parser import triggered_tags
-from microvllm.tool_parsers.reparse import Parsed, ReparsingToolParser, may_become, skip_whitespace
-from microvllm.tool_parsers.streaming import split_held_back
+from microvllm.tool_parsers.reparse import ReparsingToolParser, match_end, may_become, skip_whitespace
+from microvllm.tool_parsers.scanning import dumps, loads
+from microvllm.tool_parsers.streaming import partial_tag_length
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
-NOT_IN_A_NAME = frozenset("<>{}\"' \t\n\r")   # vLLM: not a function's name but stray markup
+NAME = re.compile(r"[^<>{}\"' \t\n\r]*")   # a function's or a parameter's name (vLLM: else stray markup)
 STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 
 
@@ -64,10 +68,13 @@ def parameter_types(request, function_name: str) -> dict[str, str]:
     without a request or a schema). A type list or ``anyOf`` gives its first type that is
     not ``null``."""
     for tool in getattr(request, "tools", None) or []:
-        function = (tool.get("function") or {}) if isinstance(tool, dict) else {}
-        if function.get("name") != function_name:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or function.get("name") != function_name:
             continue
-        properties = (function.get("parameters") or {}).get("properties") or {}
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        if not isinstance(properties, dict):
+            return {}
         return {name: _type_of(schema) for name, schema in properties.items() if isinstance(schema, dict)}
     return {}
 
@@ -103,121 +110,179 @@ def convert_value(value: str, kind: str) -> Any:
     if kind in ("boolean", "bool"):
         return {"true": True, "false": False}.get(value.strip().lower(), value)
     if kind in ("object", "array", "dict", "list"):
-        for read in (json.loads, ast.literal_eval):   # JSON, or else a Python literal
+        for read in (loads, ast.literal_eval):   # JSON, or else a Python literal (neither recurses deeply)
             try:
-                return read(value)
+                converted = read(value)
+                dumps(converted)   # a set, bytes, a complex number: a Python literal that is not JSON
+                return converted
             except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
                 pass
     return value   # a string, or a type this parser does not know
 
 
-def arguments_json(members: list[str], finished: bool) -> str:
-    """The arguments' JSON text from its members' ``"key": value`` texts: all of it once the
-    call is finished, else as far as it can no longer change (nothing before the first)."""
-    if finished:
-        return "{" + ", ".join(members) + "}"
-    return "{" + ", ".join(members) if members else ""
+def member(key: str, value: Any) -> str:
+    """One member of the arguments' JSON object: ``"key": value``."""
+    return dumps({key: value})[1:-1]
 
 
-# ---------------------------------------------------------------- reading the text
+def escaped(text: str) -> str:
+    """``text`` as it appears inside a JSON string (each character escaped on its own, so the
+    pieces of a value escaped one after another join into the whole value's escape)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
 def without_end_newlines(value: str) -> str:
     """A value less the newline after ``<parameter=P>`` and the one before ``</parameter>``."""
     value = value[1:] if value.startswith("\n") else value
     return value[:-1] if value.endswith("\n") else value
 
 
-def settled_string(written: str) -> str:
-    """What is certain of a string value still being written: all but a possible start of
-    ``</parameter>`` and the newline that may be the one before it."""
-    written = written[1:] if written.startswith("\n") else written
-    safe, _ = split_held_back(written, PARAMETER_END)
-    return safe[:-1] if safe.endswith("\n") else safe
-
-
-def read_name(text: str, at: int) -> tuple[str, int] | None | bool:
-    """The name that starts at ``at`` and ends at ``>``: (name, where ``>`` ends); None if
-    it cannot be a name; False if it is not whole yet."""
-    end = at
-    while end < len(text) and text[end] != ">":
-        if text[end] in NOT_IN_A_NAME:
-            return None
-        end += 1
-    if end == len(text):
-        return False
-    return (text[at:end], end + 1) if end > at else None
-
-
-def parse_qwen3_xml(text: str, final: bool, request=None) -> Parsed:
-    parsed, at = Parsed(), 0
-    while True:
-        start = text.find(TOOL_CALL_START, at)
-        if start < 0:
-            parsed.content += text[at:] if final else split_held_back(text[at:], TOOL_CALL_START)[0]
-            return parsed
-        parsed.content += text[at:start]
-        at = start + len(TOOL_CALL_START)
-        function = skip_whitespace(text, at)
-        if not final and may_become(text[function:], FUNCTION_START):
-            return parsed
-        name = read_name(text, function + len(FUNCTION_START)) if text.startswith(FUNCTION_START, function) else None
-        if name is False and not final:
-            return parsed
-        if not isinstance(name, tuple):   # not a call: the tag is text
-            parsed.content += TOOL_CALL_START
-            continue
-        at = _read_call(text, name[1], final, parameter_types(request, name[0]), parsed, name[0])
-        if at < 0:
-            return parsed
-
-
-def _read_call(text: str, at: int, final: bool, types: dict[str, str], parsed: Parsed, name: str) -> int:
-    """Read a call's parameters and its end from ``at`` into ``parsed``; where the text
-    goes on after it, or -1 if that is not known yet."""
-    members: list[str] = []
-    index = len(parsed.calls)
-    parsed.calls.append((name, ""))
-    while True:
-        parsed.calls[index] = (name, arguments_json(members, False))
-        at = skip_whitespace(text, at)
-        if text.startswith(PARAMETER_START, at):
-            parameter = read_name(text, at + len(PARAMETER_START))
-            if parameter is False and not final:
-                return -1   # its name is still being written
-            if isinstance(parameter, tuple):
-                key, start = parameter
-                kind = types.get(key, "string")
-                end = text.find(PARAMETER_END, start)
-                if end < 0 and not final:   # its value is still being written
-                    if kind in STRING_TYPES:   # a string: its text so far is certain
-                        written = json.dumps({key: settled_string(text[start:])}, ensure_ascii=False)[1:-2]
-                        parsed.calls[index] = (name, arguments_json([*members, written], False))
-                    return -1
-                value = convert_value(without_end_newlines(text[start:end if end >= 0 else len(text)]), kind)
-                members.append(json.dumps({key: value}, ensure_ascii=False)[1:-1])   # '"key": value'
-                at = end + len(PARAMETER_END) if end >= 0 else len(text)
-                continue
-            if parameter is False:   # the end cut its name off: it is left out
-                at = len(text)
-        elif not final and any(may_become(text[at:], tag) for tag in (PARAMETER_START, FUNCTION_END, TOOL_CALL_END)):
-            return -1   # nothing more yet, or the start of a tag
-        elif text.startswith(FUNCTION_END, at):
-            at = skip_whitespace(text, at + len(FUNCTION_END))
-            parsed.calls[index] = (name, arguments_json(members, True))
-            if not final and may_become(text[at:], TOOL_CALL_END):
-                return -1   # </tool_call> may follow: where the text goes on is not known yet
-            return at + len(TOOL_CALL_END) if text.startswith(TOOL_CALL_END, at) else at
-        elif text.startswith(TOOL_CALL_END, at):
-            at += len(TOOL_CALL_END)
-        parsed.calls[index] = (name, arguments_json(members, True))
-        return at
-
-
 class Qwen3XMLToolParser(ReparsingToolParser):
     """vLLM's class for ``qwen3_xml``. The request's ``tools`` type the values; without
-    them (a caller that passes no request) every value is a string."""
+    them (a caller that passes no request) every value is a string. The phases of the reading
+    (each keeps its place in the text between deltas)::
 
-    def parse(self, text: str, final: bool, request=None) -> Parsed:
-        return parse_qwen3_xml(text, final, request)
+        outside ─<tool_call>─> function ─<function=─> function_name ─NAME>─> parameters
+        parameters ─<parameter=─> parameter_name ─P>─> value ─</parameter>─> parameters
+        parameters ─</function>─> after_function ─(</tool_call>)─> outside
+        parameters ─</tool_call>, or anything else─> outside (the call ends there)
+        a <tool_call> without a <function=NAME> after it is text: outside again, after the tag
+    """
+
+    def __init__(self, tokenizer=None) -> None:
+        super().__init__(tokenizer)
+        self.phase = "outside"
+        self.tag = 0                      # where the last <tool_call> began
+        self.name_start = 0               # where the name being read began
+        self.types: dict[str, str] = {}   # the call's parameters' types
+        self.members = 0                  # members of the arguments sent whole
+        self.key, self.kind = "", ""      # the parameter being read, and its type
+        self.value_start = 0              # where its value began
+        self.value_sent: int | None = None   # a string value streamed: up to where (None: not begun)
+
+    def read(self, final: bool) -> None:
+        text = self.text
+        while self.step(text, final):
+            pass   # each step reads on in one phase, or says to wait
+
+    def step(self, text: str, final: bool) -> bool:
+        """Read on in the current phase; False: wait for more text (or the end came)."""
+        at = self.at
+        if self.phase == "outside":
+            start = text.find(TOOL_CALL_START, at)
+            if start < 0:   # all content, less a possible start of the tag
+                self.at = len(text) if final else len(text) - partial_tag_length(text, TOOL_CALL_START, at)
+                self.add_content(text[at:self.at])
+                return False
+            self.add_content(text[at:start])
+            self.tag, self.at, self.phase = start, start + len(TOOL_CALL_START), "function"
+            return True
+        if self.phase in ("function", "parameters", "after_function"):
+            self.at = at = skip_whitespace(text, at)   # whitespace between tags: read once
+        if self.phase == "function":
+            if not final and may_become(text, at, FUNCTION_START):
+                return False
+            if not text.startswith(FUNCTION_START, at):
+                return self.not_a_call()
+            self.at = self.name_start = at + len(FUNCTION_START)
+            self.phase = "function_name"
+            return True
+        if self.phase in ("function_name", "parameter_name"):
+            self.at = end = match_end(NAME, text, at)   # the name's characters, each read once
+            if end == len(text) and not final:
+                return False
+            whole = end < len(text) and text[end] == ">" and end > self.name_start
+            name = text[self.name_start:end]
+            if self.phase == "function_name":
+                if not whole:
+                    return self.not_a_call()
+                self.start_call(name)
+                self.types, self.members = parameter_types(self.request, name), 0
+                self.at, self.phase = end + 1, "parameters"
+            elif whole:
+                self.key, self.kind = name, self.types.get(name, "string")
+                self.value_start = self.at = end + 1
+                self.value_sent, self.phase = None, "value"
+            elif end == len(text):   # final: the end cut the parameter's name off: it is left out
+                self.end_call(len(text))
+            else:   # not a parameter: the call ends before it, and what follows is text
+                self.end_call(self.name_start - len(PARAMETER_START))
+            return True
+        if self.phase == "value":
+            return self.read_value(text, final)
+        if self.phase == "parameters":
+            if text.startswith(PARAMETER_START, at):
+                self.at = self.name_start = at + len(PARAMETER_START)
+                self.phase = "parameter_name"
+            elif not final and any(may_become(text, at, tag) for tag in (PARAMETER_START, FUNCTION_END, TOOL_CALL_END)):
+                return False   # nothing more yet, or the start of a tag
+            elif text.startswith(FUNCTION_END, at):   # the arguments are whole: close them now
+                self.close_arguments()
+                self.at, self.phase = at + len(FUNCTION_END), "after_function"
+            else:   # </tool_call> ends the call too; anything else ends it and is text
+                self.end_call(at + len(TOOL_CALL_END) if text.startswith(TOOL_CALL_END, at) else at)
+            return True
+        # after_function: </tool_call> may follow; where the text goes on is not known before
+        if not final and may_become(text, at, TOOL_CALL_END):
+            return False
+        self.at = at + len(TOOL_CALL_END) if text.startswith(TOOL_CALL_END, at) else at
+        self.phase = "outside"
+        return True
+
+    def read_value(self, text: str, final: bool) -> bool:
+        """A parameter's value, up to ``</parameter>``. The search for the end tag goes on from
+        where it stopped (``self.at``): never re-reading the value is what keeps a long one
+        O(length) in all, not O(length) per delta."""
+        end = text.find(PARAMETER_END, self.at)
+        if end < 0 and not final:   # still being written
+            self.at = max(self.value_start, len(text) - len(PARAMETER_END) + 1)
+            if self.kind in STRING_TYPES:   # a string: its text so far is certain
+                self.stream_string(text)
+            return False
+        end = len(text) if end < 0 else end
+        value = convert_value(without_end_newlines(text[self.value_start:end]), self.kind)
+        if self.value_sent is None:
+            self.add_arguments(("{" if self.members == 0 else ", ") + member(self.key, value))
+        else:   # the rest of the string streamed so far, and its closing quote
+            self.add_arguments(escaped(value[self.value_sent - self.content_start(text):]) + '"')
+        self.members += 1
+        self.at, self.phase = min(end + len(PARAMETER_END), len(text)), "parameters"
+        return True
+
+    def content_start(self, text: str) -> int:
+        """Where a value's text begins: after the newline that follows ``<parameter=P>``."""
+        return self.value_start + 1 if text.startswith("\n", self.value_start) else self.value_start
+
+    def stream_string(self, text: str) -> None:
+        """Send what is certain of a string value still being written: all but a possible
+        start of ``</parameter>`` and the newline that may be the one before it."""
+        if len(text) == self.value_start:
+            return   # its first character may be the newline that is not part of it
+        start = self.content_start(text)
+        if self.value_sent is None:   # the member begins: '"key": "'
+            self.add_arguments(("{" if self.members == 0 else ", ") + member(self.key, "")[:-1])
+            self.value_sent = start
+        safe = len(text) - partial_tag_length(text, PARAMETER_END, start)
+        if safe > start and text[safe - 1] == "\n":
+            safe -= 1   # it may be the newline before </parameter>
+        if safe > self.value_sent:
+            self.add_arguments(escaped(text[self.value_sent:safe]))
+            self.value_sent = safe
+
+    def not_a_call(self) -> bool:
+        """The last <tool_call> is not followed by a call: the tag is text, and the reading
+        goes on right after it."""
+        self.add_content(TOOL_CALL_START)
+        self.at, self.phase = self.tag + len(TOOL_CALL_START), "outside"
+        return True
+
+    def end_call(self, at: int) -> None:
+        """The call ends; the text goes on at ``at``."""
+        self.close_arguments()
+        self.at, self.phase = at, "outside"
+
+    def close_arguments(self) -> None:
+        self.add_arguments("}" if self.members else "{}")
 
     @classmethod
     def structural_tag(cls, functions: dict[str, dict]) -> dict:

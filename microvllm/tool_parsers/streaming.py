@@ -14,10 +14,11 @@ is a beginning of the tag and keeps it back; the rest is safe.
 from __future__ import annotations
 
 
-def partial_tag_length(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a beginning of ``tag`` (but not
-    the whole tag: a whole tag is found with ``str.find``)."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
+def partial_tag_length(text: str, tag: str, start: int = 0) -> int:
+    """The length of the longest end of ``text[start:]`` that is a beginning of ``tag`` (but
+    not the whole tag: a whole tag is found with ``str.find``). It reads at most the last
+    ``len(tag) - 1`` characters, however long the text."""
+    for length in range(min(len(text) - start, len(tag) - 1), 0, -1):
         if tag.startswith(text[-length:]):
             return length
     return 0

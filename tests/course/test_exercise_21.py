@@ -43,7 +43,7 @@ MISTAKES = {
           "                        safe, self.buffer = split_held_back(self.buffer, TOOL_CALL_START)\n")],
         "nothing may stay held back"),
     "a call that is not JSON is dropped": (
-        [('add_content(delta, TOOL_CALL_START + self.body + (TOOL_CALL_END if closed else ""))', "pass")],
+        [('self.add_content(delta, TOOL_CALL_START + self.body + (TOOL_CALL_END if closed else ""))', "pass")],
         "is text: give it back as content with its tags"),
     "the name is sent with every step": (
         [("            self.current_tool_name_sent = True\n", "")],

@@ -26,7 +26,7 @@ from microvllm.tool_parsers.abstract_tool_parser import (
 from microvllm.tool_parsers.hermes_tool_parser import (
     TOOL_CALL_END,
     TOOL_CALL_START,
-    add_content,
+    CallScan,
     parse_call,
     streamable_call,
 )
@@ -36,21 +36,25 @@ from microvllm.checks.hermes_parser import assemble, check_hermes_parser, run_he
     parts=(Part(Hermes2ProToolParser, methods=("parse_delta", "send_call"), intro="""Your class is the engine's
 `Hermes2ProToolParser` with your `parse_delta` and `send_call`. Given (imported above):
 `split_held_back(text, tag)` returns `(safe, held)`, `held` being the longest end of `text` that could
-begin `tag`; `streamable_call(body)` returns what is certain of a call still being written, `(name or
-None, arguments text so far or None)`; `parse_call(body)` returns `(name, arguments)` of a whole call's
-body, or None if it is not a call; `add_content(delta, text)` appends to `delta.content`. The state,
-set in `__init__` (given): `self.buffer` (text not handled yet), `self.in_call`, `self.body` (the
-current call's text after `<tool_call>`), `self.current_tool_id` (-1 before the first call),
+begin `tag`; a `CallScan()`, one per call, reads a call's body as it grows, each character once:
+`self.scan.streamable_call(self.body)` returns what is certain of the call so far, `(name or None,
+arguments text so far or None)` (`streamable_call(body)` is the same, read from the start);
+`parse_call(body)` returns `(name, arguments)` of a whole call's body, or None if it is not a call;
+`self.add_content(delta, text)` appends text outside every call to `delta.content`, holding back
+whitespace alone between or around calls (not content, as in vLLM). The state, set in `__init__`
+(given): `self.buffer` (text not handled yet), `self.in_call`, `self.body` (the current call's text
+after `<tool_call>`), `self.scan` (its `CallScan`), `self.current_tool_id` (-1 before the first call),
 `self.current_tool_name_sent`, `self.arguments_sent`. The server calls `extract_tool_calls_streaming`
 per delta and `finish_streaming()` at the end; both call your `parse_delta`."""),),
     todos={
         "Hermes2ProToolParser.parse_delta": "append delta_text to self.buffer; loop: outside a call, find "
-                                            "TOOL_CALL_START: found, add the text before it as content, drop the "
-                                            "tag, enter the call (body '', name not sent, 0 arguments sent); not "
-                                            "found, add split_held_back's safe part as content (everything at the "
-                                            "end of the stream) and return; inside a call, find TOOL_CALL_END: not "
-                                            "found (and not the end), move split_held_back's safe part into the "
-                                            "body, send_call(delta, *streamable_call(self.body)) and return; else "
+                                            "TOOL_CALL_START: found, add the text before it as content "
+                                            "(self.add_content), drop the tag, enter the call (body '', a new "
+                                            "CallScan(), name not sent, 0 arguments sent); not found, add "
+                                            "split_held_back's safe part as content (everything at the end of the "
+                                            "stream) and return; inside a call, find TOOL_CALL_END: not found (and "
+                                            "not the end), move split_held_back's safe part into the body, "
+                                            "send_call(delta, *self.scan.streamable_call(self.body)) and return; else "
                                             "end the body there (or at the end of the buffer), keep the rest in the "
                                             "buffer, send_call(delta, *parse_call(body)) if it is a call, else its "
                                             "tagged text as content if no name was sent; leave the call",
@@ -70,12 +74,14 @@ per delta and `finish_streaming()` at the end; both call your `parse_delta`.""")
 - **Content**: text outside every call, sent in the step that makes it certain: everything in the
   buffer except its longest end that could begin `<tool_call>` (`split_held_back`); that end waits
   for the next delta. At the end of the stream (`end_of_stream=True`) nothing waits: held text is content.
+  Add it with `self.add_content(delta, text)` (given), which keeps whitespace alone between or around
+  calls out of the content (a client would show the newline between two calls as a message).
 - **A call** starts at `<tool_call>` and ends at `</tool_call>` (held back the same way while split).
-  Its **first piece**, once its name is known (`streamable_call`): `DeltaToolCall(index,
+  Its **first piece**, once its name is known (`self.scan.streamable_call`): `DeltaToolCall(index,
   DeltaFunctionCall(name=...), id=random_tool_call_id(), type="function")`, the index counting the
   message's calls from 0 (`self.current_tool_id`). Then **argument fragments**, `DeltaToolCall(index,
   DeltaFunctionCall(arguments=...))`: the characters of the arguments' JSON text not sent before,
-  while they are written (`streamable_call`) and at the close (`parse_call`). Concatenated, they are the
+  while they are written (`self.scan.streamable_call`) and at the close (`parse_call`). Concatenated, they are the
   arguments exactly as the model wrote them, each character once.
 - **At the close** (`</tool_call>`, or the end of the stream with a call open): `parse_call(body)`; a
   call sends what is left of it; a body that is not a call (not JSON, no name) is text: content,

@@ -9,11 +9,20 @@
 ``ChoiceParser`` holds one choice's parsers (a streaming parser keeps state between deltas):
 ``whole(text)`` for ``stream=False``, ``delta(text, last=...)`` per streamed piece for
 ``stream=True`` (the last one also flushes what the parsers held back).
+
+A tool parser reads text a prompt can steer, and must never raise on it (vLLM's catch
+everything; ours are written not to). Should one raise all the same (a plugin's,
+``--tool-parser-plugin``), the error is logged and the text is content: a whole message is
+answered, and a stream goes on to its end and its ``[DONE]``, never cut off in the middle.
 """
 
 from __future__ import annotations
 
+import logging
+
 from microvllm.tool_parsers.abstract_tool_parser import DeltaMessage, ToolCall
+
+logger = logging.getLogger(__name__)
 
 
 class ChoiceParser:
@@ -38,8 +47,12 @@ class ChoiceParser:
             reasoning, content = self.reasoning.extract_reasoning(text)
         calls: list[ToolCall] = []
         if self.tools is not None and content:
-            info = self.tools.extract_tool_calls(content, self.request)
-            content, calls = info.content, info.tool_calls
+            try:
+                info = self.tools.extract_tool_calls(content, self.request)
+                content, calls = info.content, info.tool_calls
+            except Exception:   # noqa: BLE001 - a parser's bug must not cost the answer
+                logger.exception("tool parser %s failed on the model's output: it is returned as content",
+                                 type(self.tools).__name__)
         self.tools_called = bool(calls)
         return reasoning, content, calls
 
@@ -62,12 +75,20 @@ class ChoiceParser:
             return out
         content, out.content = out.content or "", None
         parts = []
-        if content:
-            parts.append(self.tools.extract_tool_calls_streaming(self._text, self._text + content, content,
-                                                                  request=self.request))
-            self._text += content
-        if finishing:
-            parts.append(self.tools.finish_streaming())
+        try:
+            if content:
+                current = self._text + content
+                parts.append(self.tools.extract_tool_calls_streaming(self._text, current, content,
+                                                                      request=self.request))
+                self._text = current
+            if finishing:
+                parts.append(self.tools.finish_streaming())
+        except Exception:   # noqa: BLE001 - a parser's bug must not cut the stream off
+            logger.exception("tool parser %s failed on the model's output: the rest of the choice is content",
+                             type(self.tools).__name__)
+            self.tools = None   # what it held back is lost; from here on the text goes out as it comes
+            out.content = content or None
+            return out
         for part in filter(None, parts):
             if part.content:
                 out.content = (out.content or "") + part.content
