@@ -38,8 +38,9 @@ class LLM:
             ``tensor_parallel_size``, ... and the course's hooks ``trace=True`` (record
             every step: ``llm.trace``), ``debug_invariants`` and ``components``.
 
-    With ``tensor_parallel_size > 1`` the worker processes stop with ``shutdown()``, when
-    the ``LLM`` is garbage collected, or when the interpreter exits.
+    Its processes (the engine core's, with ``VLLM_ENABLE_V1_MULTIPROCESSING=1``; the
+    workers of ``tensor_parallel_size > 1``) stop with ``shutdown()``, when the ``LLM`` is
+    garbage collected, or when the interpreter exits: a script need not call ``shutdown()``.
 
     An unknown argument raises ``TypeError`` naming the closest valid one, or saying
     that it is a vLLM option microvllm does not implement.
@@ -197,8 +198,8 @@ class LLM:
 
     # ------------------------------------------------------ vLLM's surface
     def shutdown(self) -> None:
-        """Stop the worker processes of ``tensor_parallel_size > 1`` now (a no-op with one
-        process); the LLM cannot generate afterwards."""
+        """Stop its processes now (the engine core's, the workers of ``tensor_parallel_size >
+        1``; a no-op with none); the LLM cannot generate afterwards."""
         self.engine.shutdown()
 
     def get_tokenizer(self):

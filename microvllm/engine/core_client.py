@@ -20,29 +20,40 @@ all arrive on, as vLLM's do::
 (vLLM drives these from asyncio in ``AsyncLLM``: ``AsyncMPClient``, ``DPLBAsyncMPClient``.
 Here ``AsyncLLM``'s engine thread blocks on ``get_output`` for at most a few
 milliseconds at a time; the load balancing is the same.)
+
+What the client must stop when it goes (the core processes, the sockets, their folder) is
+held apart from it, in ``BackgroundResources``, as in vLLM: a finalizer calls it when the
+client is garbage collected or the interpreter exits, so a script that never calls
+``shutdown()`` still ends within seconds rather than waiting on a core nobody stopped.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 import os
 import queue
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from multiprocessing.process import BaseProcess
 
 import zmq
 
+from microvllm import envs
+from microvllm.core.outputs import EngineCoreOutput
 from microvllm.core.stats import SchedulerStats
 from microvllm.engine.core import EngineCore, EngineCoreOutputs, EngineCoreRequest
 from microvllm.engine.core_proc import (
     ABORT,
     ADD,
     DEAD,
+    KIND_NAMES,
     OUTPUTS,
     READY,
     SHUTDOWN,
@@ -52,7 +63,9 @@ from microvllm.engine.core_proc import (
     EngineCoreProc,
 )
 from microvllm.engine.ipc_dirs import new_socket_dir
-from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder, field_of
+
+logger = logging.getLogger(__name__)
 
 KV_PRESSURE_WEIGHT = 6.0    # vLLM's: a waiting request counts up to 3 times more at a full KV cache
 
@@ -140,64 +153,124 @@ def least_loaded_core(cores: list[CoreEngine], start: int = 0) -> CoreEngine:
     return min(cores[start:] + cores[:start], key=lambda core: core.score)
 
 
+@dataclass
+class BackgroundResources:
+    """What an ``MPClient`` must stop when it goes (vLLM's ``BackgroundResources``): held
+    apart from the client so that a finalizer can reach it without keeping the client
+    alive. Called once: by ``shutdown()``, when the client is garbage collected, or at the
+    interpreter's exit (``weakref.finalize``, and ``atexit``, see ``MPClient.__init__``)::
+
+        stopping.set()                   the reader thread ends; a core's exit is no failure now
+        SHUTDOWN to each core            it leaves its busy loop and exits 0 (its workers with it)
+        join, up to the timeout          then kill what is left
+        context.destroy(), rmtree        the sockets and their folder
+    """
+
+    context: zmq.Context
+    input_socket: zmq.Socket
+    socket_dir: str
+    send_lock: threading.Lock = field(default_factory=threading.Lock)   # a ZMQ socket is not thread-safe
+    stopping: threading.Event = field(default_factory=threading.Event)
+    cores: list[CoreEngine] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    EXIT_TIMEOUT_S = 5.0   # at exit or collection, as vLLM's shutdown() allows its processes
+
+    def __call__(self, timeout: float = EXIT_TIMEOUT_S) -> None:
+        self.stopping.set()
+        for core in self.cores:   # one core dead: the others are stopped all the same
+            if core.process.is_alive():
+                try:
+                    with self.send_lock:
+                        self.input_socket.send_multipart([core.identity, SHUTDOWN, MsgpackEncoder().encode(None)])
+                except zmq.ZMQError:   # it is going anyway (killed below if not)
+                    pass
+        deadline = time.monotonic() + timeout
+        for core in self.cores:
+            core.process.join(max(0.1, deadline - time.monotonic()))
+            if core.process.is_alive():
+                core.process.kill()
+                core.process.join(5)
+        if self.reader is not None and self.reader is not threading.current_thread():
+            self.reader.join(1.0)   # it sees ``stopping`` within a poll (250 ms): its socket is then free
+        self.context.destroy(linger=0)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
 class MPClient:
     """``num_engines`` engine cores, each in a process of its own (``EngineCoreProc``,
     ``engine/core_proc.py``), stepping by themselves. ``get_output()`` takes the next
     step's outputs (of whichever core) from a queue a reader thread fills. The reader also
     watches the processes: a core that dies fails every caller within a second
     (``EngineDeadError``), and the client with it (vLLM's engine is dead after one core
-    dies too; a supervisor restarts the server)."""
+    dies too; a supervisor restarts the server). A message from a core that cannot be
+    decoded fails what it names (its requests, its utility call) and is logged; the reader
+    goes on. A utility call waits ``VLLM_RPC_TIMEOUT`` at most (``envs.rpc_timeout_s``)."""
 
     STARTUP_TIMEOUT_S = 600.0   # loading the model
 
     def __init__(self, config, *, num_engines: int = 1, startup_timeout: float | None = None, **core_kwargs):
         # The folder's name holds our pid: removed at shutdown, or (after kill -9, when
         # nothing of ours can run) by the next client that finds that pid dead.
-        self._socket_dir = new_socket_dir()
-        input_address, output_address = f"ipc://{self._socket_dir}/input", f"ipc://{self._socket_dir}/output"
-        self._context = zmq.Context()
-        self._input = self._context.socket(zmq.ROUTER)
+        socket_dir = new_socket_dir()
+        self.input_address, self.output_address = f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output"
+        context = zmq.Context()
+        self._input = context.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a message to a core gone raises
         self._input.setsockopt(zmq.SNDTIMEO, 1000)        # ... or, its queue full, waits 1 s at most
-        self._input.bind(input_address)
-        self._output = self._context.socket(zmq.PULL)
+        self._input.bind(self.input_address)
+        self._output = context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(output_address)
+        self._output.bind(self.output_address)
+        self.resources = BackgroundResources(context, self._input, socket_dir)
+        # Not a method of self: a finalizer that held self would keep it alive forever.
+        self._finalizer = weakref.finalize(self, self.resources)
+        # At exit, multiprocessing's own handler joins every child that is not a daemon (a
+        # core is not: it may start workers of its own), and a core nobody stopped never
+        # exits: the script would hang. atexit runs the last handler registered first, and
+        # multiprocessing registered its handler when it was imported, before this line;
+        # weakref.finalize's exit hook may be older still (the first finalizer made in this
+        # process registers it), so the finalizer is registered here itself.
+        atexit.register(self._finalizer)
+        self._send_lock = self.resources.send_lock
+        self._stopping = self.resources.stopping
         self._encoder = MsgpackEncoder()
         self._outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
         self._decoder = MsgpackDecoder()
-        self._send_lock = threading.Lock()    # a ZMQ socket is not thread-safe
         self._outputs: queue.Queue = queue.Queue()
         self._calls: dict[int, queue.Queue] = {}
         self._call_ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
-        self._stopping = threading.Event()
         # The cores share this machine's CPU cores: each gets its share of torch's threads.
         num_threads = max(1, (os.cpu_count() or 1) // num_engines) if num_engines > 1 else None
-        self.cores: list[CoreEngine] = []
-        for index in range(num_engines):
-            rank_config = config
-            if num_engines > 1:   # each core its rank (its KV event ports are offset by it)
-                rank_config = replace(config, parallel_config=replace(config.parallel_config,
-                                                                      data_parallel_rank=index))
-            # Not a daemon: a core may start processes of its own (tensor-parallel workers).
-            # It exits when this process does (_exit_when_orphaned).
-            process = get_context("spawn").Process(
-                target=EngineCoreProc.run_engine_core,
-                name="microvllm-engine-core" if num_engines == 1 else f"microvllm-engine-core{index}",
-                args=(rank_config, core_kwargs, input_address, output_address, os.getpid(), index, num_threads))
-            process.start()
-            self.cores.append(CoreEngine(index, process))
+        self.cores: list[CoreEngine] = self.resources.cores
         try:
+            for index in range(num_engines):
+                rank_config = config
+                if num_engines > 1:   # each core its rank (its KV event ports are offset by it)
+                    rank_config = replace(config, parallel_config=replace(config.parallel_config,
+                                                                          data_parallel_rank=index))
+                # Not a daemon: a core may start processes of its own (tensor-parallel workers).
+                # It stops when told (BackgroundResources), or when this process is gone
+                # (_exit_when_orphaned: after a kill -9, when nothing of ours can run).
+                process = get_context("spawn").Process(
+                    target=EngineCoreProc.run_engine_core,
+                    name="microvllm-engine-core" if num_engines == 1 else f"microvllm-engine-core{index}",
+                    args=(rank_config, core_kwargs, self.input_address, self.output_address, os.getpid(), index,
+                          num_threads))
+                process.start()
+                self.cores.append(CoreEngine(index, process))
             ready = self._wait_until_ready(startup_timeout or self.STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
         self.num_kv_blocks: int = ready["num_kv_blocks"]
         self.max_prompt_tokens: int = ready["max_prompt_tokens"]
-        self._reader = threading.Thread(target=self._read_outputs, name="microvllm-core-client", daemon=True)
-        self._reader.start()
+        # It holds the client only while it reads one message (_read_outputs_of).
+        self.resources.reader = threading.Thread(target=_read_outputs_of, args=(weakref.ref(self),),
+                                                 name="microvllm-core-client", daemon=True)
+        self.resources.reader.start()
 
     def _wait_until_ready(self, timeout: float) -> dict:
         """The handshake: each core's DEALER says hello on the input socket (the ROUTER can
@@ -230,36 +303,83 @@ class MPClient:
     def _which(self, core: CoreEngine) -> str:
         return f" {core.index}" if len(self.cores) > 1 else ""
 
-    def _read_outputs(self) -> None:
-        """The reader thread: each output to the queue, each utility result to its caller;
-        a dead core to everyone."""
-        while not self._stopping.is_set():
-            try:
-                if not self._output.poll(250, zmq.POLLIN):
-                    for core in self.cores:
-                        if not core.process.is_alive():
-                            self._die(f"the engine core process{self._which(core)} (pid {core.process.pid}) "
-                                      f"exited with code {core.process.exitcode}")
-                            return
-                    continue
-                kind, payload = self._output.recv_multipart()
-            except zmq.ZMQError:   # the context was destroyed: shut down
-                return
-            if kind == OUTPUTS or kind == STATS:
-                outputs = self._outputs_decoder.decode(payload)
-                if outputs.scheduler_stats is not None:
-                    self.cores[outputs.engine_index].report(outputs.scheduler_stats)
-                if kind == OUTPUTS:
-                    self._outputs.put(outputs)
-            elif kind == UTILITY_OUTPUT:
-                call_id, result, error = self._decoder.decode(payload)
-                answer = self._calls.pop(call_id, None)
-                if answer is not None:
-                    answer.put((result, error))
-            elif kind == DEAD:
-                error_type, message, index = self._decoder.decode(payload)
-                self._die(f"the engine core{self._which(self.cores[index])} failed: {error_type}: {message}")
-                return
+    def _read_output(self) -> bool:
+        """One pass of the reader thread (``_read_outputs_of``): each output to the queue,
+        each utility result to its caller, a dead core to everyone. False: stop reading."""
+        if self._stopping.is_set():
+            return False
+        try:
+            if not self._output.poll(250, zmq.POLLIN):
+                for core in self.cores:
+                    if not core.process.is_alive() and not self._stopping.is_set():   # (stopped: no failure)
+                        self._die(f"the engine core process{self._which(core)} (pid {core.process.pid}) "
+                                  f"exited with code {core.process.exitcode}")
+                        return False
+                return True
+            frames = self._output.recv_multipart()
+        except zmq.ZMQError:   # the context was destroyed: shut down
+            return False
+        kind = frames[0] if frames else b""
+        try:
+            if len(frames) != 2:
+                raise ValueError(f"expected 2 frames, [kind, payload]; got {len(frames)}")
+            return self._handle_output(kind, frames[1])
+        except Exception as error:  # noqa: BLE001 - one bad message must not end the thread (and every request)
+            return self._refuse_output(kind, frames, error)
+
+    def _handle_output(self, kind: bytes, payload: bytes) -> bool:
+        if kind == OUTPUTS or kind == STATS:
+            outputs = self._outputs_decoder.decode(payload)
+            core = self.cores[outputs.engine_index]   # an index out of range: refused as undecodable
+            if outputs.scheduler_stats is not None:
+                core.report(outputs.scheduler_stats)
+            if kind == OUTPUTS:
+                self._outputs.put(outputs)
+        elif kind == UTILITY_OUTPUT:
+            call_id, result, error = self._decoder.decode(payload)
+            answer = self._calls.pop(call_id, None)
+            if answer is not None:
+                answer.put((result, error))
+        elif kind == DEAD:
+            error_type, message, index = self._decoder.decode(payload)
+            self._die(f"the engine core{self._which(self.cores[index])} failed: {error_type}: {message}")
+            return False
+        else:
+            raise ValueError(f"unknown kind {kind[:8]!r}")
+        return True
+
+    def _refuse_output(self, kind: bytes, frames: list[bytes], error: Exception) -> bool:
+        """A message from a core that does not decode: logged, loudly, and what it names
+        fails (its requests, aborted in their core; its utility call); the reader goes on.
+        False: it was a core's DEAD, which is read as the core's death all the same."""
+        size = sum(len(frame) for frame in frames)
+        logger.error("dropped a message from the engine core that could not be decoded (kind %s, %d frames, "
+                     "%d bytes): %s: %s", KIND_NAMES.get(kind, repr(kind[:8])), len(frames), size,
+                     type(error).__name__, str(error)[:300])
+        payload = frames[-1] if len(frames) >= 2 else b""
+        why = f"the engine core's message for it could not be decoded ({type(error).__name__}: {str(error)[:200]})"
+        if kind == DEAD:
+            self._die(f"the engine core failed (its last message could not be decoded: {str(error)[:300]})")
+            return False
+        if kind == OUTPUTS:
+            outputs = field_of(payload, "outputs")
+            request_ids = [o["request_id"] for o in outputs if isinstance(o, dict)
+                           and isinstance(o.get("request_id"), str)] if isinstance(outputs, list) else []
+            index = field_of(payload, "engine_index")
+            core = self.cores[index] if isinstance(index, int) and 0 <= index < len(self.cores) else self.cores[0]
+            if request_ids:   # each fails; its core, which still runs it, is told to stop it
+                self._outputs.put(EngineCoreOutputs(
+                    [EngineCoreOutput(r, (), finish_reason="error", error=why) for r in request_ids],
+                    timestamp=time.monotonic(), engine_index=core.index))
+                try:
+                    self._send(core, ABORT, (request_ids, False))
+                except EngineDeadError:
+                    pass
+        elif kind == UTILITY_OUTPUT:
+            answer = self._calls.pop(call_id, None) if isinstance(call_id := field_of(payload, 0), int) else None
+            if answer is not None:
+                answer.put((None, ("RuntimeError", why)))
+        return True
 
     def _die(self, message: str) -> None:
         self.dead_error = EngineDeadError(message)
@@ -267,8 +387,8 @@ class MPClient:
         for answer in list(self._calls.values()):
             answer.put((None, ("EngineDeadError", message)))
 
-    def _send(self, core: CoreEngine, kind: bytes, payload, *, even_if_dead: bool = False) -> None:
-        if self.dead_error is not None and not even_if_dead:
+    def _send(self, core: CoreEngine, kind: bytes, payload) -> None:
+        if self.dead_error is not None:
             raise self.dead_error
         try:
             with self._send_lock:
@@ -277,15 +397,25 @@ class MPClient:
             raise self.dead_error or EngineDeadError(
                 f"the engine core{self._which(core)} takes no input: its process is gone") from None
 
-    def call_utility(self, method: str, *args, core: int = 0):
+    def call_utility(self, method: str, *args, core: int = 0, timeout: float | None = None):
         """Run ``EngineCore.<method>(*args)`` in core ``core``'s process, between two of its
         steps; its result, or its exception raised here (as the same kind where it is a
-        ``ValueError`` or a ``TypeError``)."""
+        ``ValueError`` or a ``TypeError``). ``timeout``: seconds to wait for the answer
+        (default ``VLLM_RPC_TIMEOUT``); none by then: ``TimeoutError``."""
+        timeout = envs.rpc_timeout_s() if timeout is None else timeout
         call_id = next(self._call_ids)
         answer: queue.Queue = queue.Queue()
         self._calls[call_id] = answer
-        self._send(self.cores[core], UTILITY, (call_id, method, list(args)))
-        result, error = answer.get()
+        try:
+            self._send(self.cores[core], UTILITY, (call_id, method, list(args)))
+            result, error = answer.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(
+                f"the engine core{self._which(self.cores[core])} did not answer the utility call {method}() "
+                f"within {timeout:g} s: it may be stuck in a step; if its steps are that long, raise "
+                f"VLLM_RPC_TIMEOUT (milliseconds)") from None
+        finally:
+            self._calls.pop(call_id, None)   # an answer after the deadline is dropped
         if error is not None:
             raise _error_of(*error)
         return result
@@ -345,24 +475,21 @@ class MPClient:
                     for core in self.cores])
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the core processes (each stops its own workers), then the sockets. Idempotent."""
-        if self._stopping.is_set():
+        """Stop the core processes (each stops its own workers), then the sockets
+        (``BackgroundResources``). Idempotent."""
+        if self._finalizer.detach() is not None:   # not run yet, and now never by the finalizer
+            atexit.unregister(self._finalizer)
+            self.resources(timeout)
+
+
+def _read_outputs_of(client_ref: weakref.ref) -> None:
+    """The reader thread. It holds the client only while it reads one message: a client
+    nobody uses any more is then garbage collected, and its finalizer stops its cores."""
+    while True:
+        client = client_ref()
+        if client is None or not client._read_output():
             return
-        self._stopping.set()
-        for core in self.cores:   # one core dead: the others are stopped all the same
-            if core.process.is_alive():
-                try:
-                    self._send(core, SHUTDOWN, None, even_if_dead=True)
-                except Exception:  # noqa: BLE001 - it is going anyway (killed below if not)
-                    pass
-        deadline = time.monotonic() + timeout
-        for core in self.cores:
-            core.process.join(max(0.1, deadline - time.monotonic()))
-            if core.process.is_alive():
-                core.process.kill()
-                core.process.join(5)
-        self._context.destroy(linger=0)
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        del client
 
 
 class SyncMPClient(MPClient):

@@ -22,6 +22,9 @@ data-parallel ones, all on the client's two sockets)::
 Every message is msgspec (``engine/serial_utils.py``): a socket that unpickled could be
 made to run anything. The threads do the (de)serializing and the socket waits, so the
 busy loop spends its time stepping, as in vLLM; the loop is the only user of the core.
+A message the input thread cannot decode (each kind has its declared shape) never reaches
+the loop and never ends the thread: it is logged with its kind and size, and the request
+or utility call it names, if any, gets an error back.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import zmq
 
 from microvllm.core.outputs import EngineCoreOutput
 from microvllm.engine.core import EngineCore, EngineCoreOutputs, EngineCoreRequest
-from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from microvllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder, field_of
 from microvllm.executor.multiproc_executor import _exit_when_orphaned
 from microvllm.utils.gc_utils import freeze_gc_heap
 
@@ -52,6 +55,8 @@ OUTPUTS, STATS, UTILITY_OUTPUT, READY, DEAD = b"o", b"s", b"u", b"r", b"d"
 # What a client may call on the core by name (UTILITY): nothing else is reachable.
 UTILITY_METHODS = frozenset({"check_fits", "check_kv_transfer_params", "request_refused",
                              "reset_prefix_cache", "check_invariants"})
+KIND_NAMES = {ADD: "ADD", ABORT: "ABORT", UTILITY: "UTILITY", SHUTDOWN: "SHUTDOWN", OUTPUTS: "OUTPUTS",
+              STATS: "STATS", UTILITY_OUTPUT: "UTILITY_OUTPUT", READY: "READY", DEAD: "DEAD"}
 
 
 class EngineCoreProc:
@@ -63,8 +68,12 @@ class EngineCoreProc:
         self.engine_index = engine_index
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
-        self.request_decoder = MsgpackDecoder(EngineCoreRequest)
-        self.decoder = MsgpackDecoder()
+        # What each kind of message carries: one that does not decode as its kind's shape
+        # is refused by the input thread, so the busy loop never meets a malformed payload.
+        self.decoders = {ADD: MsgpackDecoder(EngineCoreRequest),
+                         ABORT: MsgpackDecoder(tuple[list[str], bool]),       # (request ids, stop_string)
+                         UTILITY: MsgpackDecoder(tuple[int, str, list[Any]]),  # (call id, method, args)
+                         SHUTDOWN: MsgpackDecoder()}
         self.encoder = MsgpackEncoder()
         threading.Thread(target=self._send_outputs, name="microvllm-core-output", daemon=True).start()
 
@@ -87,12 +96,42 @@ class EngineCoreProc:
         socket.send(b"")   # hello: the client's ROUTER knows us once this arrives
         while True:
             try:
-                kind, payload = socket.recv_multipart()
+                frames = socket.recv_multipart()
             except zmq.ContextTerminated:   # the process is exiting
                 socket.close(linger=0)
                 return
-            decoder = self.request_decoder if kind == ADD else self.decoder
-            self.input_queue.put((kind, decoder.decode(payload)))
+            message = self._decode_input(frames)
+            if message is not None:
+                self.input_queue.put(message)
+
+    def _decode_input(self, frames: list[bytes]) -> tuple[bytes, Any] | None:
+        """``(kind, payload)`` of a message from the client; None for one that does not
+        decode, after failing what it names (``_refuse_input``)."""
+        kind = frames[0] if frames else b""
+        try:
+            if len(frames) != 2 or kind not in self.decoders:
+                raise ValueError(f"expected 2 frames, [kind, payload], with a known kind; got {len(frames)} "
+                                 f"frames, kind {kind[:8]!r}")
+            return kind, self.decoders[kind].decode(frames[1])
+        except Exception as error:  # noqa: BLE001 - one bad message must not end the thread (and every request)
+            self._refuse_input(kind, frames, error)
+            return None
+
+    def _refuse_input(self, kind: bytes, frames: list[bytes], error: Exception) -> None:
+        """Log an undecodable message, loudly; fail the request or utility call it names."""
+        size = sum(len(frame) for frame in frames)
+        logger.error("engine core %d dropped a message it could not decode (kind %s, %d frames, %d bytes): %s: %s",
+                     self.engine_index, KIND_NAMES.get(kind, repr(kind[:8])), len(frames), size,
+                     type(error).__name__, str(error)[:300])
+        payload = frames[-1] if len(frames) >= 2 else b""
+        if kind == ADD and isinstance(request_id := field_of(payload, "request_id"), str):
+            failed = EngineCoreOutput(request_id, (), finish_reason="error",
+                                      error=f"the engine core could not decode this request: {str(error)[:300]}")
+            self.output_queue.put((OUTPUTS, EngineCoreOutputs([failed], timestamp=time.monotonic(),
+                                                              engine_index=self.engine_index)))
+        elif kind == UTILITY and isinstance(call_id := field_of(payload, 0), int):
+            self.output_queue.put((UTILITY_OUTPUT, (call_id, None, (
+                "RuntimeError", f"the engine core could not decode this utility call: {str(error)[:300]}"))))
 
     def _send_outputs(self) -> None:
         """The output thread: encode each output and send it (vLLM: ``process_output_sockets``)."""
@@ -180,6 +219,9 @@ class EngineCoreProc:
         after sending DEAD (a failed start or step); the client sees either.
         ``num_threads``: torch's threads, when N data-parallel cores share this machine."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the front end, which decides
+        if not logging.getLogger().handlers:   # a fresh interpreter (spawn): its warnings and errors to stderr
+            logging.basicConfig(level=logging.WARNING,
+                                format=f"%(levelname)s %(name)s (engine core {engine_index}): %(message)s")
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
         if num_threads is not None:
             import torch

@@ -12,6 +12,14 @@ No pickle: a socket that unpickles runs whatever code it is sent. A type msgspec
 not know is refused (``TypeError``) unless a hook below says how to write it as plain
 data. ``SamplingParams`` (a class with ``__slots__``) is written as its fields and read
 back through its constructor, so its checks run again in the core.
+
+A message that does not decode (a bug of ours, or a same-user process on the socket) is
+refused, never fatal: the reading thread logs it and goes on, and ``field_of`` reads the
+one field that names what it was for (a request id, a utility call's id), so that the
+waiter can be failed rather than left waiting::
+
+    {"request_id": "7", "prompt_token_ids": "oops", ...}  ──decode(EngineCoreRequest)──>  ValidationError
+                                                          ──field_of(data, "request_id")──>  "7"
 """
 
 from __future__ import annotations
@@ -65,3 +73,19 @@ class MsgpackDecoder:
 
     def decode(self, data: bytes | memoryview) -> Any:
         return self._decoder.decode(data)
+
+
+def field_of(data: bytes | memoryview, key: str | int) -> Any:
+    """One field of a message that did not decode as its type: the value under ``key``
+    in a MessagePack map, or at index ``key`` in an array, as plain data; None where the
+    bytes are not MessagePack at all or hold no such field. (Its caller checks the
+    field's type: it may be anything.)"""
+    try:
+        message = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):   # not MessagePack, or nested past Python's limit
+        return None
+    if isinstance(key, str) and isinstance(message, dict):
+        return message.get(key)
+    if isinstance(key, int) and isinstance(message, list) and 0 <= key < len(message):
+        return message[key]
+    return None
