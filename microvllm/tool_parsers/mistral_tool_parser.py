@@ -34,7 +34,6 @@ import string
 
 from microvllm.tool_parsers.reparse import ReparsingToolParser, match_end, may_become, skip_whitespace
 from microvllm.tool_parsers.scanning import JsonScanner, dumps, loads
-from microvllm.tool_parsers.streaming import partial_tag_length
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 NAME = re.compile(r"[A-Za-z0-9_.-]*")   # a function's name (the v11+ form)
@@ -76,11 +75,6 @@ class MistralToolParser(ReparsingToolParser):
         self.name = ""
         self.scanner: JsonScanner | None = None   # the JSON being written, read so far
 
-    def read(self, final: bool) -> None:
-        text = self.text
-        while self.step(text, final):
-            pass   # each step reads on in one phase, or says to wait
-
     def step(self, text: str, final: bool) -> bool:
         """Read on in the current phase; False: wait for more text (or the end came)."""
         at = self.at
@@ -89,12 +83,9 @@ class MistralToolParser(ReparsingToolParser):
             self.at = len(text)
             return False
         if self.phase == "outside":
-            marker = text.find(TOOL_CALLS, at)
-            if marker < 0:   # all content, less a possible start of the marker
-                self.at = len(text) if final else len(text) - partial_tag_length(text, TOOL_CALLS, at)
-                self.add_content(text[at:self.at])
+            marker = self.content_until(text, TOOL_CALLS, final)
+            if marker is None:
                 return False
-            self.add_content(text[at:marker])
             self.marker, self.at, self.phase = marker, marker + len(TOOL_CALLS), "marker"
             return True
         if self.phase == "marker":

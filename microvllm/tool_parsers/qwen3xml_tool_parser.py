@@ -160,21 +160,13 @@ class Qwen3XMLToolParser(ReparsingToolParser):
         self.value_start = 0              # where its value began
         self.value_sent: int | None = None   # a string value streamed: up to where (None: not begun)
 
-    def read(self, final: bool) -> None:
-        text = self.text
-        while self.step(text, final):
-            pass   # each step reads on in one phase, or says to wait
-
     def step(self, text: str, final: bool) -> bool:
         """Read on in the current phase; False: wait for more text (or the end came)."""
         at = self.at
         if self.phase == "outside":
-            start = text.find(TOOL_CALL_START, at)
-            if start < 0:   # all content, less a possible start of the tag
-                self.at = len(text) if final else len(text) - partial_tag_length(text, TOOL_CALL_START, at)
-                self.add_content(text[at:self.at])
+            start = self.content_until(text, TOOL_CALL_START, final)
+            if start is None:
                 return False
-            self.add_content(text[at:start])
             self.tag, self.at, self.phase = start, start + len(TOOL_CALL_START), "function"
             return True
         if self.phase in ("function", "parameters", "after_function"):

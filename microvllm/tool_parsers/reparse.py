@@ -45,6 +45,7 @@ from microvllm.tool_parsers.abstract_tool_parser import (
     ToolParser,
     random_tool_call_id,
 )
+from microvllm.tool_parsers.streaming import partial_tag_length
 
 WHITESPACE = " \t\n\r"
 
@@ -81,8 +82,29 @@ class ReparsingToolParser(ToolParser):
         self._blank: list[str] | None = []           # whitespace held since the last call; None: other text came
 
     def read(self, final: bool) -> None:
-        """Read ``self.text`` from ``self.at`` as far as it is certain (``final``: all of it)."""
+        """Read ``self.text`` from ``self.at`` as far as it is certain (``final``: all of it):
+        ``step`` after ``step``, each reading on in one phase, until one says to wait."""
+        text = self.text
+        while self.step(text, final):
+            pass
+
+    def step(self, text: str, final: bool) -> bool:
+        """Read on in the current phase; False: wait for more text (or the end came). A parser
+        writes this, or ``read`` itself when its format has no phases."""
         raise NotImplementedError
+
+    def content_until(self, text: str, tag: str, final: bool) -> int | None:
+        """Send the content from ``self.at`` up to the next ``tag`` and return where the tag
+        begins; None when it has not come: then all is content but a possible start of it,
+        held back (``final``: nothing is held)."""
+        at = self.at
+        start = text.find(tag, at)
+        if start < 0:
+            self.at = len(text) if final else len(text) - partial_tag_length(text, tag, at)
+            self.add_content(text[at:self.at])
+            return None
+        self.add_content(text[at:start])
+        return start
 
     def new_id(self) -> str:
         return random_tool_call_id()
