@@ -9,7 +9,8 @@
                  [TOOL_CALLS]NAME[ARGS]{...}                                   Mistral Small 3.1+
     pythonic     [get_weather(city="Paris"), get_time(tz="CET")]               Llama 3.2, ToolACE
 
-The parsers besides hermes stream by re-reading the text so far (``reparse.py``).
+The parsers besides hermes read each delta on from where the last one stopped (``reparse.py``);
+none raises on any text: what it cannot parse is content.
 """
 
 from __future__ import annotations

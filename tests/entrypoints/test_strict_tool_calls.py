@@ -1,4 +1,5 @@
-"""Strict tool calls under ``tool_choice="auto"`` (beyond vLLM): a tool with ``"strict": true``
+"""Strict tool calls under ``tool_choice="auto"`` (as vLLM does by default, its
+``resolve_tool_strictness``): a tool with ``"strict": true``
 makes the server hold the model to the tool parser's structural tag (xgrammar's
 ``triggered_tags``): it writes freely, but once it writes ``<tool_call>`` what follows must
 be a call of one of the tools, its arguments valid under that tool's schema.
