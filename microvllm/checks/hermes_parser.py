@@ -68,6 +68,18 @@ HINT_END_HELD = ("at the end of the stream (end_of_stream=True) nothing may stay
                  "could begin <tool_call> was not a tag after all, so it is content")
 HINT_NOT_JSON = ("a call whose body parse_call rejects (not JSON, no name) is text: give it back as content with its "
                  "tags, TOOL_CALL_START + body + TOOL_CALL_END, when nothing of it was sent as a call")
+HINT_BEFORE = ("the text before <tool_call> in the same delta did not come out as content: which part of self.buffer "
+               "does the step add as content (self.add_content(delta, self.buffer[:start])) before it drops the tag "
+               "and enters the call?")
+HINT_SENT_THEN_BROKEN = ("a call whose name was already sent came back as content too: the client holds the call "
+                         "already and cannot take it back, so its text is not content; is the body given back as "
+                         "text only while not self.current_tool_name_sent?")
+HINT_EMPTY = ("an argument fragment with no characters went out: a client gains nothing from it, and vLLM sends "
+              "none; does send_call append DeltaFunctionCall(arguments=...) only when arguments[self.arguments_sent:] "
+              "is not empty?")
+HINT_LATER_INDEX = ("a piece of an earlier call came after the next call began: does every later piece carry the "
+                    "index of the call being streamed, DeltaToolCall(self.current_tool_id, ...), and not a fixed "
+                    "number?")
 HINT_RETURN = ("extract_tool_calls_streaming must return a DeltaMessage or None; parse_delta returns the "
                "DeltaMessage it filled")
 
@@ -176,6 +188,11 @@ def _structure_problem(outs: list[Out]) -> tuple[int, str, str] | None:
                 seen.add(piece.index)
             elif piece.name is not None or piece.has_id:
                 return number, f"{where}: call {piece.index}'s name (or id) came again: {piece}", HINT_NAME_ONCE
+            elif piece.index != len(seen) - 1:
+                return (number, f"{where}: a piece of call {piece.index} came after call {len(seen) - 1} began: "
+                                f"{piece}", HINT_LATER_INDEX)
+            if piece.arguments == "":
+                return number, f"{where}: call {piece.index} got an empty argument fragment: {piece}", HINT_EMPTY
     return None
 
 
@@ -255,7 +272,10 @@ def check_hermes_parser(Hermes2ProToolParser, *, max_examples: int = 120, quiet:
         compare(cls, ["x <to", "day"], "'<to' held back, then released: it was '<today'", HINT_HELD_BACK)
 
     def one_call():
-        compare(cls, ["I will look." + CALL], "one call, whole in one delta", HINT_FIRST_PIECE)
+        compare(cls, [CALL], "one call, whole in one delta", HINT_FIRST_PIECE)
+
+    def text_before():
+        compare(cls, ["I will look." + CALL], "text, then a call, in the same delta", HINT_BEFORE)
 
     def arguments_stream():
         body = "<tool_call>\n" + ESCAPED
@@ -279,6 +299,10 @@ def check_hermes_parser(Hermes2ProToolParser, *, max_examples: int = 120, quiet:
         compare(cls, ["x<tool_call>{oops}</tool_call>y"], "a call whose body is not JSON", HINT_NOT_JSON)
         compare(cls, ["x<tool_call>\n[1, 2]", "\n</tool_call>y"], "a call whose body is a list, not an object",
                 HINT_NOT_JSON)
+
+    def sent_then_broken():
+        compare(cls, SENT_THEN_BROKEN, "a call whose name streamed, then closed before its JSON did",
+                HINT_SENT_THEN_BROKEN)
 
     def end_held():
         compare(cls, ["a <tool"], "'<tool' at the end of the stream", HINT_END_HELD)
@@ -319,13 +343,15 @@ def check_hermes_parser(Hermes2ProToolParser, *, max_examples: int = 120, quiet:
 
     cases = [   # one rule at a time, so that the first failure names one mistake
         Case("text streams through as it comes", text_only),
-        Case("a tag split across deltas is held back, never content", held_back),
         Case("one call: its first piece (index 0, id, type, name), then its arguments", one_call),
+        Case("text before a call in the same delta is content", text_before),
+        Case("a tag split across deltas is held back, never content", held_back),
         Case("arguments stream as they are written, each character once", arguments_stream),
         Case("text after a call is content", text_after),
         Case("two calls in one message: indices 0 and 1", two_calls),
         Case("the end tag split across deltas closes the call", end_tag_split),
         Case("a call that is not JSON stays text, tags and all", not_json),
+        Case("a call whose name was sent is never content, even when its JSON breaks", sent_then_broken),
         Case("text held back at the end of the stream is content", end_held),
         Case("a call left open at the end of the stream closes as it is", unclosed),
         Case(f"property: {max_examples} random messages cut at random places (the concatenated deltas give the "
@@ -381,13 +407,17 @@ WRITTEN = (
     ("text that only looks like tags, and a call that is not JSON",
      "<think>No tools.</think>Use <b>, not </tool_call> or <tool_call>[1, 2]</tool_call>: a < b <tool"),
 )
-# The tiny tokenizer has ">" as a token of its own, so no delta of this run closes a call and
-# holds text after it; the checker's hand case does (and the engine cell runs it too).
-NOT_SEEN = ("Not seen by this run: a delta that closes a call and holds more text (the tiny tokenizer's \">\" is a "
-            "token of its own, so the text after </tool_call> always comes in a later delta; a real model's "
-            "tokens, and a slow client, merge them). The cell runs check_hermes_parser's case for it on your "
-            "class too.")
-AFTER_CLOSE = [CALL + " Done.", " And more."]   # that case: a close and text after it in one delta
+# The tiny tokenizer has "<" and ">" as tokens of their own, so no delta of this run closes a
+# call and holds text after it, or holds text and the start of a call; the checker's hand
+# cases do (and the engine cell runs them too).
+NOT_SEEN = ("Not seen by this run: a delta that closes a call and holds more text, or holds text and then "
+            "<tool_call> (the tiny tokenizer's \"<\" and \">\" are tokens of their own, so a tag never shares a "
+            "delta with the text around it; a real model's tokens, and a slow client, merge them); a call whose name "
+            "streamed and whose JSON then broke (the run's messages do not write one). The cell runs "
+            "check_hermes_parser's cases for them on your class too.")
+AFTER_CLOSE = [CALL + " Done.", " And more."]   # those cases: a close and text after it in one delta,
+BEFORE_CALL = ["I will look." + CALL]           # text before a call in one delta,
+SENT_THEN_BROKEN = ['x<tool_call>{"name": "f", "arguments": {"a": 1', "</tool_call>y"]   # a broken call, name sent
 ENGINE_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
                 for name in ("get_weather", "get_time")]
 YOURS = "hermes-yours"   # the name your class is registered under for the run
@@ -539,12 +569,13 @@ def run_hermes_parser_with(Hermes2ProToolParser, *, quiet: bool = False):
         lines.append("✗ The server never called your parser.")
     else:
         lines.append("  " + NOT_SEEN)
-        after = stream(Hermes2ProToolParser, AFTER_CLOSE)
-        want = stream(_package_class(), AFTER_CLOSE)
-        if after != want:
-            lines.append(f"✗ Every chunk was the same as with the package's parser, but on the deltas {AFTER_CLOSE} "
-                         f"yours gives {_show(after)}, not {_show(want)}: run check_hermes_parser above.")
-            return report(False, "\n".join(lines), reference, yours)
+        for deltas in (AFTER_CLOSE, BEFORE_CALL, SENT_THEN_BROKEN):
+            after = stream(Hermes2ProToolParser, deltas)
+            want = stream(_package_class(), deltas)
+            if after != want:
+                lines.append(f"✗ Every chunk was the same as with the package's parser, but on the deltas {deltas} "
+                             f"yours gives {_show(after)}, not {_show(want)}: run check_hermes_parser above.")
+                return report(False, "\n".join(lines), reference, yours)
         lines.append("✓ Same reasoning, content and tool calls as the package's parser in every chunk of every "
                      "stream: your parser serves the real engine.")
     return report(not differ and bool(calls), "\n".join(lines), reference, yours)

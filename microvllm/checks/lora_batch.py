@@ -54,6 +54,26 @@ HINT_OFFSET = ("the expand wrote outside its slice: only columns slice_offset ..
                "output_tensor change (a merged qkv_proj has three slices; each call writes one)")
 HINT_ADD_INPUTS = ("add_inputs=True adds into the slice (the layer's base output is there already); "
                    "add_inputs=False overwrites it")
+HINT_SLOT_ZERO_MASKED = ("the tokens of slot 0 got nothing, as if they had no adapter: slot 0 is an adapter like any "
+                         "other, only -1 means the base model; does your mask test idx < 0 (not idx > 0 or idx <= 0)?")
+HINT_BASE_ROWS_ZEROED = ("the rows of the tokens without an adapter (slot -1) were set to 0 in the slice, losing what "
+                         "was there (the base model's output): with add_inputs=True they get nothing added; is the -1 "
+                         "mask applied to B @ h before it is added, rather than to output_tensor after?")
+HINT_OVERWRITE_KEPT = ("with add_inputs=False the rows of the tokens without an adapter (slot -1) kept what was in the "
+                       "slice: overwriting writes every row of the slice, zeros where idx is -1; does your write "
+                       "cover the rows of slot -1 too?")
+HINT_DTYPE_A = ("your code mixed float16 and float32, which torch.bmm refuses: the slots may be stored in another "
+                "dtype than the activations; is the gathered A cast to the inputs' dtype (.to(inputs.dtype)) before "
+                "the product?")
+HINT_DTYPE_B = ("your code mixed float16 and float32, which torch.bmm refuses: the slots may be stored in another "
+                "dtype than the activations; is the gathered B cast to the inputs' dtype before the product, and the "
+                "result to output_tensor's dtype before it is written?")
+HINT_ADDED_INTO = ("output_tensor came back NaN where it should hold h: the shrink's output buffer is not zeroed "
+                   "(the engine makes it with torch.empty), and yours added into it; does the shrink overwrite "
+                   "output_tensor (copy_) rather than add to it?")
+HINT_ROWS = ("none of the usual mistakes gives your answer: which rows differ from the expected ones, and what do "
+             "those tokens' slots (lora_indices_tensor) have in common? Work one of them out by hand: "
+             "{formula}")
 HINT_IN_PLACE = "write the result into output_tensor in place (output_tensor.copy_(...) or +=): the op returns nothing"
 
 
@@ -92,10 +112,22 @@ def _one_adapter(idx: torch.Tensor) -> torch.Tensor:
     return torch.full_like(idx, int(idx[0]))
 
 
+def _slot_zero_as_base(idx: torch.Tensor) -> torch.Tensor:
+    """Slot 0 taken for "no adapter" (a mask written idx > 0)."""
+    return idx.where(idx != 0, -1)
+
+
+def _dtype_mixed(exc: Exception) -> bool:
+    text = str(exc)
+    return "scalar type" in text or "dtype" in text or ("Half" in text and "Float" in text)
+
+
 def _shrink_problem(got, x, a, idx, scaling) -> str | None:
     """The hint of the usual mistake ``got`` equals, or None."""
     last = a.shape[0] - 1
     candidates = [
+        (HINT_SLOT_ZERO_MASKED, lambda: _shrink_formula(x, a, _slot_zero_as_base(idx), scaling),
+         bool((idx == 0).any())),
         (HINT_SCALING_MISSING, lambda: _shrink_formula(x, a, idx, 1.0), scaling != 1.0),
         (HINT_SCALING_INVERTED, lambda: _shrink_formula(x, a, idx, 1.0 / scaling), scaling != 1.0),
         (HINT_SLOT_ZERO, lambda: _shrink_formula(x, a, idx.clamp(min=0), scaling), bool((idx < 0).any())),
@@ -112,9 +144,22 @@ def _shrink_problem(got, x, a, idx, scaling) -> str | None:
 
 def _expand_problem(got, h, b, y, idx, offset, size, add_inputs) -> str | None:
     last = b.shape[0] - 1
+    based = y.clone()
+    based[idx < 0, offset:offset + size] = 0
+
+    def kept():   # the overwrite skipping the rows of slot -1
+        out = _expand_formula(h, b, y, idx, offset, size, add_inputs)
+        out[idx < 0, offset:offset + size] = y[idx < 0, offset:offset + size]
+        return out
+
     candidates = [
+        (HINT_SLOT_ZERO_MASKED, lambda: _expand_formula(h, b, y, _slot_zero_as_base(idx), offset, size, add_inputs),
+         bool((idx == 0).any())),
         (HINT_SLOT_ZERO, lambda: _expand_formula(h, b, y, idx.clamp(min=0), offset, size, add_inputs),
          bool((idx < 0).any())),
+        (HINT_BASE_ROWS_ZEROED, lambda: _expand_formula(h, b, based, idx, offset, size, add_inputs),
+         add_inputs and bool(y[idx < 0, offset:offset + size].any())),
+        (HINT_OVERWRITE_KEPT, kept, not add_inputs and bool(y[idx < 0, offset:offset + size].any())),
         (HINT_SLOT_LAST, lambda: _expand_formula(h, b, y, idx.where(idx >= 0, last), offset, size, add_inputs),
          bool((idx < 0).any()) and last > 0),
         (HINT_ONE_ADAPTER, lambda: _expand_formula(h, b, y, _one_adapter(idx), offset, size, add_inputs),
@@ -140,14 +185,23 @@ def compare_shrink(fn, x, a, idx, scaling, where: str) -> None:
         if not_implemented_message(exc) is not None:
             raise
         raise CheckFailure(f"bgmv_shrink, {where}: your code raised {type(exc).__name__}: {exc}", input=shown,
-                           hint=HINT_SHAPES_A) from exc
+                           hint=HINT_DTYPE_A if _dtype_mixed(exc) else HINT_SHAPES_A) from exc
     if torch.isnan(out).any():
         got = returned if isinstance(returned, torch.Tensor) else out
+        zeroed = torch.zeros_like(want)
+        try:
+            fn(x.clone(), a.clone(), zeroed, idx.clone(), scaling=scaling)
+        except Exception:  # noqa: BLE001 - only asked whether a zeroed buffer gives h
+            zeroed = out
+        if _same(zeroed, want):   # right on a zeroed buffer: it adds into output_tensor
+            raise CheckFailure(f"bgmv_shrink, {where}: output_tensor is NaN (it was filled with NaN before the call)",
+                               input=shown, expected=want.tolist(), got=got.tolist(), hint=HINT_ADDED_INTO)
         raise CheckFailure(f"bgmv_shrink, {where}: output_tensor was not written", input=shown, expected=want.tolist(),
                            got=got.tolist(), hint=HINT_IN_PLACE)
     if not _same(out, want):
         raise CheckFailure(f"bgmv_shrink, {where}: wrong h", input=shown, expected=want.tolist(), got=out.tolist(),
-                           hint=_shrink_problem(out, x, a, idx, scaling))
+                           hint=_shrink_problem(out, x, a, idx, scaling)
+                           or HINT_ROWS.format(formula="h[t] = scaling * A[slot] @ x[t], 0 where slot is -1"))
 
 
 def compare_expand(fn, h, b, y, idx, offset, size, add_inputs, where: str) -> None:
@@ -161,11 +215,12 @@ def compare_expand(fn, h, b, y, idx, offset, size, add_inputs, where: str) -> No
         if not_implemented_message(exc) is not None:
             raise
         raise CheckFailure(f"bgmv_expand_slice, {where}: your code raised {type(exc).__name__}: {exc}", input=shown,
-                           hint=HINT_SHAPES_B) from exc
+                           hint=HINT_DTYPE_B if _dtype_mixed(exc) else HINT_SHAPES_B) from exc
     if not _same(out, want):
         hint = _expand_problem(out, h, b, y, idx, offset, size, add_inputs)
         if hint is None and torch.equal(out, y) and not torch.equal(want, y):
             hint = HINT_IN_PLACE
+        hint = hint or HINT_ROWS.format(formula="y[t, slice] (+)= B[slot] @ h[t], nothing (or zeros) where slot is -1")
         raise CheckFailure(f"bgmv_expand_slice, {where}: wrong output_tensor", input=shown, expected=want.tolist(),
                            got=out.tolist(), hint=hint)
 
@@ -188,9 +243,9 @@ def check_lora_batch(bgmv_shrink: Callable, bgmv_expand_slice: Callable, *, max_
     def shrink_one_token():
         compare_shrink(shrink, x[:1], a3[:1], torch.tensor([0]), 1.0, "one token, one slot, scaling 1")
 
-    def shrink_square():
-        a = torch.tensor([[[1., 2.], [0., 1.]]])
-        compare_shrink(shrink, torch.tensor([[1., 0.]]), a, torch.tensor([0]), 1.0,
+    def shrink_square():   # slot 1 of 2: slot 0 has cases of its own
+        a = torch.tensor([[[0., 0.], [0., 0.]], [[1., 2.], [0., 1.]]])
+        compare_shrink(shrink, torch.tensor([[1., 0.]]), a, torch.tensor([1]), 1.0,
                        "A is [rank, in]: a square A must not be used transposed")
 
     def shrink_scaling():
@@ -209,8 +264,8 @@ def check_lora_batch(bgmv_shrink: Callable, bgmv_expand_slice: Callable, *, max_
                        "one token, one slot, the whole output")
 
     def expand_square():
-        b = torch.tensor([[[1., 2.], [0., 1.]]])
-        compare_expand(expand, torch.tensor([[1., 0.]]), b, torch.zeros(1, 2), torch.tensor([0]), 0, 2, True,
+        b = torch.tensor([[[0., 0.], [0., 0.]], [[1., 2.], [0., 1.]]])
+        compare_expand(expand, torch.tensor([[1., 0.]]), b, torch.zeros(1, 2), torch.tensor([1]), 0, 2, True,
                        "B is [slice_size, rank]: a square B must not be used transposed")
 
     def expand_mixed():
@@ -287,8 +342,34 @@ def check_lora_batch(bgmv_shrink: Callable, bgmv_expand_slice: Callable, *, max_
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Rain forms when")
 NOT_SEEN = ("What the run cannot see: the engine's expand always adds into the layer's output (add_inputs=True); "
-            "the cell runs add_inputs=False on your expand directly, on one case.")
+            "its slots have the activations' dtype (a missing cast never meets float16); and a token without an "
+            "adapter (slot -1) is zeroed by either op, so one op wrong there is hidden by the other right one. "
+            "The cell runs those cases on your ops directly.")
 ENGINE_SCALING = 2.0   # the scaling your shrink gets in the engine run (a power of 2: halving it back is exact)
+
+
+def _side_case_problem(bgmv_shrink: Callable, bgmv_expand_slice: Callable) -> str | None:
+    """The rules the engine run cannot see (``NOT_SEEN``), one case each on your ops: the
+    first one broken, said with its hint, or None."""
+    x, a = torch.tensor([[1., 2.], [3., 4.]]), torch.tensor([[[1., 0.], [0., 1.]]])
+    h, b = torch.tensor([[1., 2.], [3., 4.]]), torch.tensor([[[1., 0.], [0., 1.]]])
+    cases = (
+        lambda: compare_shrink(bgmv_shrink, x, a, torch.tensor([0, -1]), 1.0, "slot -1 gives 0 in the shrink"),
+        lambda: compare_expand(bgmv_expand_slice, h, b, torch.ones(2, 4), torch.tensor([0, -1]), 1, 2, True,
+                               "slot -1 adds nothing in the expand"),
+        lambda: compare_shrink(bgmv_shrink, x, a.half(), torch.tensor([0, -1]), 1.0,
+                               "float16 slots, float32 inputs"),
+        lambda: compare_expand(bgmv_expand_slice, h, b.half(), torch.ones(2, 4), torch.tensor([0, -1]), 1, 2, True,
+                               "float16 slots, float32 inputs and output"),
+        lambda: compare_expand(bgmv_expand_slice, h, b, torch.ones(2, 4), torch.tensor([0, -1]), 1, 2, False,
+                               "add_inputs=False"),
+    )
+    for case in cases:
+        try:
+            case()
+        except CheckFailure as failure:
+            return failure.what + (f" ({failure.hint})" if failure.hint else "")
+    return None
 
 
 def make_tiny_lora_model(folder, names: tuple[str, ...] = ("adapter1", "adapter2"), rank: int = 4):
@@ -385,13 +466,7 @@ def run_lora_with(bgmv_shrink: Callable, bgmv_expand_slice: Callable, *, max_tok
         lines.append(f"  {prompt!r} with {name}: {'✓' if ref == tokens else '✗'} {tokens}")
         if ref != tokens:
             lines.append(f"      reference: {ref}")
-    # The one rule the run cannot see, checked here on one case.
-    overwrite_problem = None
-    try:
-        compare_expand(bgmv_expand_slice, torch.tensor([[1., 2.], [3., 4.]]), torch.tensor([[[1., 0.], [0., 1.]]]),
-                       torch.ones(2, 4), torch.tensor([0, -1]), 1, 2, False, "add_inputs=False")
-    except CheckFailure as failure:
-        overwrite_problem = failure.what
+    overwrite_problem = _side_case_problem(bgmv_shrink, bgmv_expand_slice)
     lines.append(NOT_SEEN)
     same = reference == got and bool(mixed) and overwrite_problem is None
     if not calls:

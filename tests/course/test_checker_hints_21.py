@@ -83,8 +83,8 @@ def test_a_dict_instead_of_a_delta_message_is_named():
 
 def test_a_first_piece_without_id_and_type_is_named():
     case, message = first_failure(NameWithoutAnId)
-    assert case.startswith("a tag split across deltas"), case   # the first case with a call
-    assert HINT_FIRST_PIECE in message and "first piece is (index 0, name 'f')" in message, message
+    assert case.startswith("one call"), case   # the first case with a call
+    assert HINT_FIRST_PIECE in message and "first piece is (index 0, name 'get_weather')" in message, message
 
 
 def test_one_method_not_written_is_reported_as_not_implemented():

@@ -8,6 +8,7 @@ import torch
 
 from microvllm.checks.lora_batch import (
     HINT_IN_PLACE,
+    HINT_ROWS,
     HINT_SLOT_LAST,
     HINT_SLOT_ZERO,
     check_lora_batch,
@@ -54,6 +55,11 @@ def returns_the_result(inputs, lora_a_weights, output_tensor, lora_indices_tenso
     return h
 
 
+def scaling_twice_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling=1.0):
+    """Multiplies by the scaling twice: no usual mistake gives its answer."""
+    bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling * scaling)
+
+
 def test_a_loop_over_tokens_passes():
     result = check_lora_batch(loop_shrink, bgmv_expand_slice, max_examples=20, quiet=True)
     assert result.passed, result.report()
@@ -75,3 +81,9 @@ def test_a_result_returned_instead_of_written():
     name, message = first_failure(returns_the_result, bgmv_expand_slice)
     assert name.startswith("shrink: A @ x"), name
     assert HINT_IN_PLACE in message and "was not written" in message, message
+
+
+def test_a_mistake_the_checker_does_not_know_still_gets_a_hint():
+    name, message = first_failure(scaling_twice_shrink, bgmv_expand_slice)
+    assert name.startswith("shrink: the scaling multiplies the result"), name
+    assert HINT_ROWS.split("{")[0] in message and "hint:" in message, message

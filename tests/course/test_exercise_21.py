@@ -51,6 +51,19 @@ MISTAKES = {
     "the index does not advance": (
         [("            self.current_tool_id += 1\n", "")],
         "call indices count the calls of the message from 0"),
+    "a call whose name was sent is given back as content too": (
+        [("elif not self.current_tool_name_sent:", "else:")],
+        "a call whose name was already sent came back as content too"),
+    "the text before a call in the same delta is dropped": (
+        [("                self.add_content(delta, self.buffer[:start])\n", "")],
+        "the text before <tool_call> in the same delta did not come out as content"),
+    "an empty argument fragment is sent": (
+        [("        if new:\n", "        if True:\n")],
+        "an argument fragment with no characters went out"),
+    "later pieces carry index 0": (
+        [("DeltaToolCall(self.current_tool_id, DeltaFunctionCall(arguments=new))",
+          "DeltaToolCall(0, DeltaFunctionCall(arguments=new))")],
+        "a piece of an earlier call came after the next call began"),
 }
 FIRST_CASE = {   # name: the hand case that must fail first (the one that isolates the mistake)
     "a tag split across deltas leaks as content": "a tag split across deltas is held back",
@@ -63,6 +76,11 @@ FIRST_CASE = {   # name: the hand case that must fail first (the one that isolat
     "an unclosed call at the end of the stream is lost": "a call left open at the end",
     "text held back at the end of the stream is lost": "text held back at the end of the stream",
     "a call that is not JSON is dropped": "a call that is not JSON stays text",
+    "the index does not advance": "one call: its first piece",
+    "a call whose name was sent is given back as content too": "a call whose name was sent is never content",
+    "the text before a call in the same delta is dropped": "text before a call in the same delta is content",
+    "an empty argument fragment is sent": "arguments stream as they are written",
+    "later pieces carry index 0": "two calls in one message",
 }
 
 
@@ -113,8 +131,10 @@ def test_the_engine_cell_passes_the_package():
 # The brief's five mistakes, through the server (each run takes seconds: not all twelve).
 SEEN_BY_THE_ENGINE = ("a tag split across deltas leaks as content", "two calls: the state is not reset",
                       "arguments emitted twice (every step)", "an unclosed call at the end of the stream is lost")
-# The tiny tokenizer's ">" is a token of its own: no delta of the run closes a call and holds text after it.
-NOT_SEEN_BY_THE_ENGINE = ("text after a call is dropped",)
+# The tiny tokenizer's "<" and ">" are tokens of their own: no delta of the run closes a call and holds text
+# after it, or holds text and then <tool_call>; no message of the run breaks a call whose name was sent.
+NOT_SEEN_BY_THE_ENGINE = ("text after a call is dropped", "the text before a call in the same delta is dropped",
+                          "a call whose name was sent is given back as content too")
 
 
 @pytest.mark.parametrize("name", SEEN_BY_THE_ENGINE)

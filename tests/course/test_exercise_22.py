@@ -37,6 +37,30 @@ MISTAKES = {
         [("target = output_tensor[:, slice_offset:slice_offset + slice_size]",
           "target = output_tensor[:, :slice_size]")],
         "the expand wrote outside its slice"),
+    "the shrink's -1 mask is missing": ([NO_MASKS[0]], "was given slot 0's adapter"),
+    "the expand's -1 mask is missing": ([NO_MASKS[1]], "was given slot 0's adapter"),
+    "the shrink's mask written > 0": (
+        [(SHRINK_MASK, "output_tensor.copy_(torch.where(lora_indices_tensor.unsqueeze(-1) > 0, out * scaling, 0))")],
+        "the tokens of slot 0 got nothing"),
+    "the expand's mask written > 0": (
+        [(EXPAND_MASK, "out = torch.where(lora_indices_tensor.unsqueeze(-1) > 0, out, 0).to(output_tensor.dtype)")],
+        "the tokens of slot 0 got nothing"),
+    "the shrink does not cast the slots": (
+        [("selected = lora_a_weights[slots].to(inputs.dtype)", "selected = lora_a_weights[slots]")],
+        "is the gathered A cast to the inputs' dtype"),
+    "the expand does not cast the slots": (
+        [("selected = lora_b_weights[slots].to(inputs.dtype) ", "selected = lora_b_weights[slots] ")],
+        "is the gathered B cast to the inputs' dtype"),
+    "the expand zeroes the base model's rows": (
+        NO_MASKS[1:] + [("        target += out\n", "        target += out\n"
+                         "        target.masked_fill_(lora_indices_tensor.unsqueeze(-1) < 0, 0)\n")],
+        "were set to 0 in the slice"),
+    "the overwrite skips the rows of slot -1": (
+        [("        target.copy_(out)\n",
+          "        keep = lora_indices_tensor >= 0\n        target[keep] = out[keep]\n")],
+        "kept what was in the slice"),
+    "the shrink adds into its buffer": ([("output_tensor.copy_(", "output_tensor.add_(")],
+                                        "does the shrink overwrite output_tensor"),
 }
 FIRST_CASE = {   # name: the case that must fail first (the one that isolates the mistake)
     "a token without an adapter gets slot 0": "shrink: slot -1 (the base model) gives 0",
@@ -48,6 +72,15 @@ FIRST_CASE = {   # name: the case that must fail first (the one that isolates th
     "B transposed": "expand: B @ h",
     "the expand ignores add_inputs": "expand: add_inputs=False overwrites the slice",
     "the expand ignores its offset": "expand: only its slice changes",
+    "the shrink's -1 mask is missing": "shrink: slot -1 (the base model) gives 0",
+    "the expand's -1 mask is missing": "expand: slot -1 adds nothing",
+    "the shrink's mask written > 0": "shrink: one token, one slot",
+    "the expand's mask written > 0": "expand: one token, one slot",
+    "the shrink does not cast the slots": "dtypes",
+    "the expand does not cast the slots": "dtypes",
+    "the expand zeroes the base model's rows": "expand: only its slice changes",
+    "the shrink adds into its buffer": "shrink: A @ x",
+    "the overwrite skips the rows of slot -1": "expand: add_inputs=False overwrites the slice",
 }
 
 
@@ -105,10 +138,20 @@ def test_the_engine_cells_run_tells_each_mistake(name):
     assert "✗ Your tokens differ" in wrong.message, wrong.message
 
 
-def test_the_engine_cell_says_what_its_run_cannot_see():
-    """An expand that always adds gives the engine's tokens (the engine never overwrites); the
-    cell's own case tells it."""
-    wrong = run_lora_with(*planted("the expand ignores add_inputs"), quiet=True)
+# name: the words of the cell's own case that tells it (the run's tokens cannot: the engine never
+# overwrites, its slots are float32, and either op's -1 mask hides the other's)
+NOT_SEEN_BY_THE_ENGINE = {
+    "the expand ignores add_inputs": "add_inputs=False: wrong output_tensor",
+    "the shrink's -1 mask is missing": "slot -1 gives 0 in the shrink: wrong h (a token without an adapter",
+    "the expand's -1 mask is missing": "slot -1 adds nothing in the expand: wrong output_tensor (a token without",
+    "the shrink does not cast the slots": "float16 slots, float32 inputs: your code raised",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SEEN_BY_THE_ENGINE))
+def test_the_engine_cell_says_what_its_run_cannot_see(name):
+    wrong = run_lora_with(*planted(name), quiet=True)
     assert wrong.reference == wrong.yours, wrong.message   # the run itself cannot tell
     assert NOT_SEEN in wrong.message and not wrong.same, wrong.message
     assert "✗ Every token was the same as with the package's ops, but on its own case" in wrong.message, wrong.message
+    assert NOT_SEEN_BY_THE_ENGINE[name] in wrong.message, (name, wrong.message)

@@ -122,7 +122,8 @@ two calls with text after them, a call left open at the end, text that only look
 tokenizer cuts the tags into pieces of one or two characters, so every tag arrives split over several
 deltas. Each stream goes through the openai client, and every chunk (reasoning, content, tool-call
 pieces, finish reason; ids only as "has one") must be the same with your parser as with the
-package's. One rule the run cannot see, and it says so (a delta that closes a call and holds text
-after it): the cell runs that case on your class directly. It takes about 15 seconds.""",
+package's. Three rules the run cannot see, and it says so (a delta that closes a call and holds
+text after it, a delta that holds text and then `<tool_call>`, a call whose name streamed before its
+JSON broke): the cell runs those cases on your class directly. It takes about 15 seconds.""",
     engine="run_hermes_parser_with(Hermes2ProToolParser)",
 )
