@@ -137,14 +137,15 @@ kernels.cpu_flags = lambda: {"avx512f", "avx512bw"}
 from microvllm.platforms.cpu import gemm_kernels as cpu_kernels
 from microvllm.platforms import get_platform
 from microvllm.layers.linear import Linear
-from microvllm.platforms.cpu.gemm import packing_available
+from microvllm.platforms.cpu.gemm import bfloat16_onednn_available, packing_available
 reason = cpu_kernels.dpbf16_status()
 assert reason is not None and "avx512_bf16" in reason, reason
 layer = Linear(64, 32).to(torch.bfloat16)
 get_platform("cpu").process_weights_after_loading(layer)
 with torch.inference_mode():
     layer(torch.randn(4, 64).to(torch.bfloat16))
-assert set(layer._forward_method.gemm._packs) == ({"onednn"} if packing_available() else set())
+onednn = packing_available() and bfloat16_onednn_available()
+assert set(layer._forward_method.gemm._packs) == ({"onednn"} if onednn else set())
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)

@@ -14,6 +14,7 @@ from microvllm.platforms.cpu.gemm import (
     VEC_MAX_ROWS,
     PackedGemm,
     PackedLinear,
+    bfloat16_onednn_available,
     float32_max_rows,
     packing_available,
 )
@@ -34,8 +35,8 @@ def test_matches_f_linear(dtype, rows, bias):
         out = layer(x)
         chosen = layer._forward_method.gemm._choose(x, layer.weight, layer.bias)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **TOL[dtype])
-    onednn = packing_available() and (dtype == torch.bfloat16
-                                      or FLOAT32_MIN_ROWS <= rows <= (float32_max_rows() or rows))
+    onednn = packing_available() and (bfloat16_onednn_available() if dtype == torch.bfloat16
+                                      else FLOAT32_MIN_ROWS <= rows <= (float32_max_rows() or rows))
     vec = dtype == torch.float32 and rows <= VEC_MAX_ROWS and gemm_kernels.vec_supports(layer.weight)
     amx = dtype == torch.bfloat16 and rows <= AMX_MAX_ROWS and gemm_kernels.amx_supports(layer.weight)
     dpbf16 = (dtype == torch.bfloat16 and rows <= DPBF16_MAX_ROWS and not gemm_kernels.amx_supports(layer.weight)

@@ -24,8 +24,11 @@ by dtype and row count (notebook 11 measures why these bounds)::
     bfloat16, AMX CPU                 AMX        AMX        oneDNN     oneDNN     oneDNN
     bfloat16, AVX512-BF16, no AMX     dpbf16     dpbf16     dpbf16     oneDNN     oneDNN
     bfloat16 elsewhere                oneDNN     oneDNN     oneDNN     oneDNN     oneDNN
+    bfloat16, no AVX-512 (AVX2 only)  F.linear   F.linear   F.linear   F.linear   F.linear **
 
-(* oneDNN on x86 CPUs not made by Intel: F.linear is MKL there, ``float32_max_rows``.)
+(* oneDNN on x86 CPUs not made by Intel: F.linear is MKL there, ``float32_max_rows``.
+** oneDNN's bfloat16 pack needs avx512bw/vl/dq or avx_ne_convert: an AVX2 laptop or a Zen 3
+server has neither, ``bfloat16_onednn_available``.)
 A weight's packs are all made at load time: one more copy of the weights, for never
 being slower. On any other device or dtype, with autograd on, or where oneDNN is
 missing, ``F.linear`` runs: the same result up to float rounding (~1e-6 relative in
@@ -66,6 +69,14 @@ def packing_available() -> bool:
 
 
 _AVAILABLE = packing_available()
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16_onednn_available() -> bool:
+    """Whether oneDNN's bfloat16 linear runs on this CPU (its reorder refuses CPUs without
+    avx512bw/vl/dq or avx_ne_convert: "bf16 path needs the cpu support ...")."""
+    is_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(is_supported()) if is_supported is not None else False
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,7 +223,7 @@ def _packings(weight: torch.Tensor) -> list[str]:
         kinds.append("dpbf16")
     if weight.dtype == torch.float32 and gemm_kernels.vec_supports(weight):
         kinds.append("vec")
-    if _AVAILABLE and (weight.dtype != torch.float32 or float32_onednn_pays()):
+    if _AVAILABLE and (float32_onednn_pays() if weight.dtype == torch.float32 else bfloat16_onednn_available()):
         kinds.append("onednn")
     return kinds
 
