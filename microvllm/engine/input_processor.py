@@ -181,9 +181,9 @@ class InputProcessor:
         ``num_chars`` / (the longest token's characters) tokens."""
         if self.prompts.tokenizer is None:   # no text to tokenize at all
             return
-        min_tokens = num_chars // self.prompts.max_token_chars
-        max_model_len = self.config.scheduler_config.max_model_len
-        if min_tokens >= max_model_len:
+        if num_chars > self.max_text_chars():
+            min_tokens = num_chars // self.prompts.max_token_chars
+            max_model_len = self.config.scheduler_config.max_model_len
             raise ValueError(f"{which} has {num_chars:,} characters, so at least {min_tokens:,} tokens, but "
                              f"max_model_len is {max_model_len}: shorten {shorten}")
 

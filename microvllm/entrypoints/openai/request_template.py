@@ -93,7 +93,7 @@ def render_bounded(render, max_chars: int, timeout: float | None = None) -> str:
     if "text" in answer:
         return answer["text"]
     if answer["kind"] == "size":
-        raise ValueError(answer["error"])
+        raise TemplateTooLarge(answer["error"])
     raise RenderError(answer["kind"], answer["error"], answer.get("lineno"))
 
 
@@ -105,9 +105,13 @@ class RenderError(Exception):
         self.kind, self.message, self.lineno = kind, message, lineno
 
 
+class TemplateTooLarge(ValueError):
+    """The render broke a size bound (its text's length, or its memory): the client's 400."""
+
+
 def _checked_length(text: str, max_chars: int) -> str:
     if len(text) > max_chars:
-        raise ValueError(f"chat_template rendered {len(text):,} characters, more than this model's context can "
+        raise TemplateTooLarge(f"chat_template rendered {len(text):,} characters, more than this model's context can "
                          f"hold (at most {max_chars:,}): simplify the template or shorten the messages")
     return text
 
@@ -124,9 +128,8 @@ def _child(render, max_chars: int, write_fd: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (in_use + RENDER_MEMORY_BYTES, in_use + RENDER_MEMORY_BYTES))
         try:
             answer = {"text": _checked_length(render(), max_chars)}
-        except ValueError as error:
-            answer = {"kind": "size" if str(error).startswith("chat_template rendered") else type(error).__name__,
-                      "error": str(error)}
+        except TemplateTooLarge as error:
+            answer = {"kind": "size", "error": str(error)}
         except MemoryError:
             answer = {"kind": "size", "error": f"chat_template needed more than {RENDER_MEMORY_BYTES >> 20} MB "
                                                "to render, so it was stopped: simplify it"}
